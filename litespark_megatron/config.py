@@ -1,0 +1,318 @@
+"""Model presets, the command line (Megatron-LM flag names) and its validation.
+
+A preset is data: a `ModelPreset`. Every field of it can be overridden by the Megatron-LM flag of the same name,
+and every flag can also come from a YAML file given with `--config` (same keys; flags on the command line win).
+`resolve()` turns argv into one `argparse.Namespace`; `validate()` checks it against the world it will run in and
+raises `ConfigError` with one clear message, before any process group, model or file exists.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message says what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Shape of a Llama-style decoder (RMSNorm, GQA attention with RoPE, SwiGLU MLP, no biases)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    seq_length: int
+    max_position_embeddings: int
+    rotary_base: int = 500000
+    norm_epsilon: float = 1e-5
+    untie_embeddings_and_output_weights: bool = True
+    description: str = ""
+
+
+PRESETS = {
+    # Small enough for CPU tests and the quickstart; 4 layers so that PP2 x 2 virtual stages is possible.
+    "tiny": ModelPreset(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=4096, seq_length=128, max_position_embeddings=4096,
+                        rotary_base=10000, description="test/quickstart model, ~2M parameters"),
+    # Llama-3.2-1B shape (untied here: the benchmark shapes are untied).
+    "llama-1b": ModelPreset(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                            num_query_groups=8, vocab_size=128256, seq_length=4096,
+                            max_position_embeddings=131072, description="Llama-3.2-1B shape, untied"),
+    # Llama-3.2-3B shape: the 3B size of the Litespark paper.
+    "llama-3b": ModelPreset(num_layers=28, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=24,
+                            num_query_groups=8, vocab_size=128256, seq_length=4096,
+                            max_position_embeddings=131072, description="Llama-3.2-3B shape, untied"),
+    "llama3-8b": ModelPreset(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                             num_query_groups=8, vocab_size=128256, seq_length=8192,
+                             max_position_embeddings=131072, description="Llama-3-8B"),
+    # LLaMA-30B shape (multi-head attention, 32k vocabulary): the 30B size of the Litespark paper.
+    "llama-30b": ModelPreset(num_layers=60, hidden_size=6656, ffn_hidden_size=17920, num_attention_heads=52,
+                             num_query_groups=52, vocab_size=32000, seq_length=4096,
+                             max_position_embeddings=4096, rotary_base=10000,
+                             description="LLaMA-30B shape (MHA, 32k vocab)"),
+}
+
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelPreset) if f.name != "description"]
+SPECS = ("litespark", "stock-te", "stock-local")
+BACKENDS = ("auto", "te", "local")
+
+
+def _bool_pair(group, name: str, default: Optional[bool], help: str):
+    """--name / --no-name, default None where the preset decides."""
+    group.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                       default=default, help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="litespark-train",
+        description="Pretrain a Llama-style model with Litespark layers on Megatron-Core. Flags use Megatron-LM "
+                    "names; every flag may also be a key of the --config YAML file (flags win).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="YAML file whose keys are these flags (dashes or underscores)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--spec", default="litespark", help=f"layer spec: {', '.join(SPECS)}")
+    g.add_argument("--transformer-impl", dest="backend", default="auto",
+                   help="litespark backend: te (Transformer Engine), local (megatron-core local modules, "
+                        "runs on CPU) or auto (te when importable and on GPU)")
+    for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups",
+                 "vocab-size", "seq-length", "max-position-embeddings", "rotary-base"):
+        g.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="override the preset")
+    _bool_pair(g, "untie-embeddings-and-output-weights", None, "separate output layer (preset decides)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this (independent of TP, so that every layout "
+                        "computes the same softmax)")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-backend", choices=["auto", "nccl", "gloo"], default="auto")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="enable FP8 (TE on Hopper+)")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise", "mxfp8", "blockwise"], default="delayed")
+    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x data parallel")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed dataset prefixes, optionally with weights: [W1] PREFIX1 [W2] PREFIX2 ...")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of each prefix")
+    g.add_argument("--mock-data", action="store_true", help="random tokens, no files (smoke tests, benchmarks)")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="HuggingFaceTokenizer (a tokenizer directory) or ByteLevelBPE (a tokenizer.json); "
+                        "default: the one saved next to the data")
+    g.add_argument("--tokenizer-model", default=None, help="path of the tokenizer directory or file")
+    g.add_argument("--data-cache-path", default=None, help="where megatron-core caches dataset indices")
+    g.add_argument("--num-workers", type=int, default=0)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None, help="default: metrics.jsonl in --save (or the TB dir)")
+    g.add_argument("--peak-tflops", type=float, default=None, help="override the detected dense peak (MFU)")
+    return p
+
+
+def _normalize_key(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions}
+    out = {}
+    for k, v in data.items():
+        key = _normalize_key(str(k))
+        if key == "transformer_impl":
+            key = "backend"
+        if key not in known or key == "config":
+            raise ConfigError(f"--config {path}: unknown key '{k}' (keys are the flags of litespark-train --help)")
+        out[key] = v
+    return out
+
+
+def resolve(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """argv -> Namespace with the preset applied. Raises ConfigError (never SystemExit) on a bad preset/file."""
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**_load_yaml(known.config, parser))
+    args = parser.parse_args(argv)
+    if args.model not in PRESETS:
+        raise ConfigError(f"unknown model preset '{args.model}'; choose one of: {', '.join(PRESETS)}")
+    preset = PRESETS[args.model]
+    for name in MODEL_FIELDS:
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.spec not in SPECS:
+        raise ConfigError(f"unknown --spec '{args.spec}'; choose one of: {', '.join(SPECS)}")
+    if args.backend not in BACKENDS:
+        raise ConfigError(f"unknown --transformer-impl '{args.backend}'; choose one of: {', '.join(BACKENDS)}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return args
+
+
+def data_parallel_size(args, world_size: int) -> int:
+    return world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                          * args.context_parallel_size)
+
+
+def virtual_pipeline_size(args) -> Optional[int]:
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return None
+    return args.num_layers // (args.pipeline_model_parallel_size * args.num_layers_per_virtual_pipeline_stage)
+
+
+def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool, fp8_capable: bool = False) -> None:
+    """Check everything that can be checked before any work. One ConfigError, the first problem found."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for name, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--context-parallel-size", cp), ("--micro-batch-size", args.micro_batch_size),
+                    ("--num-layers", args.num_layers), ("--seq-length", args.seq_length)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    if world_size % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+            f"start a multiple of {tp * pp * cp} processes or change the layout")
+    if args.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if args.num_query_groups % tp:
+        raise ConfigError(f"--num-query-groups (KV heads) {args.num_query_groups} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not a multiple of "
+                          f"--num-query-groups {args.num_query_groups}")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                          f"{args.num_attention_heads}")
+    if args.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by TP {tp}")
+    vp = args.num_layers_per_virtual_pipeline_stage
+    if vp is not None:
+        if pp < 2:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        if args.num_layers % (pp * vp):
+            raise ConfigError(f"--num-layers {args.num_layers} is not divisible by PP x layers per virtual stage "
+                              f"= {pp} x {vp}")
+    elif args.num_layers % pp:
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations "
+                          "across the TP group)")
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    backend = resolved_backend(args, cuda=cuda, te=te)
+    if cp > 1:
+        if backend != "te":
+            raise ConfigError("--context-parallel-size > 1 needs the Transformer Engine backend on GPU "
+                              "(--transformer-impl te, pip install litespark-megatron[te])")
+        if args.seq_length % (2 * cp):
+            raise ConfigError(f"--seq-length {args.seq_length} must be divisible by 2 x CP = {2 * cp}")
+    if args.fp8_format is not None:
+        if not te:
+            raise ConfigError("FP8 (--fp8-format) needs Transformer Engine, which is not importable here: "
+                              "pip install 'litespark-megatron[te]' on a GPU machine, or drop --fp8-format")
+        if not cuda:
+            raise ConfigError("FP8 (--fp8-format) needs a CUDA GPU (Hopper or newer); none is visible")
+        if not fp8_capable:
+            raise ConfigError("FP8 (--fp8-format) needs a GPU with FP8 tensor cores (compute capability >= 8.9, "
+                              "e.g. H100/H200/L40S); this GPU has none: use --bf16")
+        if backend != "te" and args.spec != "stock-te":
+            raise ConfigError("FP8 needs Transformer Engine modules: use --transformer-impl te (or auto)")
+    if args.spec == "stock-te" and not te:
+        raise ConfigError("--spec stock-te needs Transformer Engine, which is not importable here; "
+                          "use --spec stock-local or --spec litespark")
+    if args.spec == "stock-te" and not cuda:
+        raise ConfigError("--spec stock-te needs a CUDA GPU; on CPU use --spec stock-local or litespark")
+    if args.make_vocab_size_divisible_by % tp:
+        raise ConfigError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} must be a "
+                          f"multiple of TP {tp}")
+    dp = data_parallel_size(args, world_size)
+    gbs = args.global_batch_size or args.micro_batch_size * dp
+    if gbs % (args.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by micro-batch x data-parallel = "
+                          f"{args.micro_batch_size} x {dp} = {args.micro_batch_size * dp}")
+    if args.train_iters < 0:
+        raise ConfigError(f"--train-iters must be >= 0, got {args.train_iters}")
+
+
+def resolved_backend(args, *, cuda: bool, te: bool) -> str:
+    """Which Litespark backend runs: 'te' or 'local'."""
+    if args.backend == "te":
+        if not te:
+            raise ConfigError("--transformer-impl te: Transformer Engine is not importable here "
+                              "(pip install 'litespark-megatron[te]'), or use --transformer-impl local")
+        if not cuda:
+            raise ConfigError("--transformer-impl te needs a CUDA GPU; on CPU use --transformer-impl local")
+        return "te"
+    if args.backend == "local":
+        return "local"
+    return "te" if (te and cuda) else "local"
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    return -(-vocab_size // divisible_by) * divisible_by

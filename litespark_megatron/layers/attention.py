@@ -1,0 +1,89 @@
+"""Litespark attention: GQA self-attention with RoPE, as a Megatron-Core attention module.
+
+`LitesparkSelfAttention` keeps megatron-core's parameters and their tensor-parallel layout (so checkpoints are
+interchangeable with the stock specs) but runs a short training forward: QKV projection, RoPE on q and k, core
+attention, output projection. Inference with a KV cache goes through megatron-core's own path.
+
+`LitesparkCoreAttention` is the local backend's core attention: torch's scaled_dot_product_attention with a causal
+mask and grouped KV heads, which dispatches to flash / memory-efficient kernels and never materializes the
+[b, heads, s, s] score matrix that megatron-core's DotProductAttention builds. The te backend uses TE's fused
+attention (cuDNN / flash) instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class LitesparkCoreAttention(MegatronModule):
+    """softmax(q k^T / sqrt(d) + causal) v over [s, b, heads, d] inputs; returns [s, b, heads * d]."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
+                 pg_collection=None, **unused):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"LitesparkCoreAttention supports causal masks only, got {attn_mask_type}")
+        if config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs the te backend (TE's attention implements it)")
+        self.dropout = config.attention_dropout
+        kv_channels = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences need the te backend")
+        if attention_bias is not None:
+            raise ValueError("attention bias is not supported by LitesparkCoreAttention")
+        # [s, b, h, d] -> [b, h, s, d]; SDPA repeats the grouped KV heads internally (no copy).
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.size(1) != k.size(1))
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class LitesparkSelfAttention(SelfAttention):
+    """Causal self-attention with the training forward written out; see the module docstring."""
+
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.causal,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **unused):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, attention_bias=None, packed_seq_params=None, **kwargs):
+        if inference_context is not None or kwargs.get("inference_params") is not None:
+            return super().forward(hidden_states, attention_mask, key_value_states=key_value_states,
+                                   inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                                   **kwargs)
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            cu_seqlens = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
+            cp_group = self.pg_collection.cp
+            query = apply_rotary_pos_emb(query, q_freqs, config=self.config, cu_seqlens=cu_seqlens,
+                                         cp_group=cp_group)
+            key = apply_rotary_pos_emb(key, k_freqs, config=self.config, cu_seqlens=cu_seqlens,
+                                       cp_group=cp_group)
+        if self.checkpoint_core_attention and self.training:
+            context = self._checkpointed_attention_forward(
+                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
+                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        else:
+            context = self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
+                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            context = context.reshape(context.size(0), 1, -1)
+        return self.linear_proj(context)

@@ -1,0 +1,29 @@
+"""Litespark MLP: the Llama SwiGLU feed-forward, fc2(silu(gate) * up), as a Megatron-Core MLP module.
+
+The gate and up projections are one GEMM (megatron-core's `linear_fc1` with the GLU layout: each TP rank holds
+[gate_r; up_r]), the SwiGLU is one fused elementwise kernel (see kernels.py), and fc2 is a row-parallel GEMM.
+On the te backend fc1 also carries the pre-MLP RMSNorm (TE's LayerNormLinear), so norm + fc1 is one module.
+Parameters and their layout are megatron-core's, so checkpoints are interchangeable with the stock specs.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP
+
+from . import kernels
+
+
+class LitesparkMLP(MLP):
+    def __init__(self, config, submodules, is_expert: bool = False, input_size=None, ffn_hidden_size=None,
+                 tp_group=None, **unused):
+        if not (config.gated_linear_unit and config.activation_func is F.silu):
+            raise ValueError("LitesparkMLP computes SwiGLU: it needs gated_linear_unit=True, activation silu")
+        if config.add_bias_linear:
+            raise ValueError("LitesparkMLP has no biases (Llama); set add_bias_linear=False")
+        super().__init__(config=config, submodules=submodules, is_expert=is_expert, input_size=input_size,
+                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+
+    def forward(self, hidden_states, **unused):
+        # TransformerLayer also passes padding_mask=...; padding is handled by the loss mask, not here.
+        gate_up, _ = self.linear_fc1(hidden_states)
+        return self.linear_fc2(kernels.swiglu(gate_up))
