@@ -19,8 +19,8 @@ def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: statistics in fp32, result in the input dtype, then scaled by the weight."""
-    xf = x.float()
+    """Llama RMSNorm: statistics in (at least) fp32, result in the input dtype, then scaled by the weight."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight.to(x.dtype)
 

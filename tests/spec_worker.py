@@ -1,0 +1,44 @@
+"""Builds the tiny model with two specs from the same seed and prints the largest logit and gradient differences.
+
+    python tests/spec_worker.py SPEC_A SPEC_B [flags...]
+"""
+import json
+import os
+import sys
+
+import torch
+
+
+def main():
+    spec_a, spec_b, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    from litespark_megatron import config, model as model_lib, platform
+
+    args = config.resolve(["--seq-length", "32", "--vocab-size", "128", *flags])
+    plat = platform.init_distributed(args)
+    backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(7))
+    device = platform.device(plat)
+    results = {}
+    for spec in (spec_a, spec_b):
+        args.spec = spec
+        cfg = model_lib.transformer_config(args, backend, plat.device_type)
+        (model,) = model_lib.build_model(args, cfg, backend, args.vocab_size)
+        t = tokens.to(device)
+        logits = model(t, torch.arange(32, device=device).expand(2, 32), None)   # [b, s, v]
+        logits.float().square().mean().backward()
+        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+        results[spec] = (logits.detach().float(), grads, sorted(model.state_dict()))
+    (la, ga, ka), (lb, gb, kb) = results[spec_a], results[spec_b]
+    common = sorted(set(ga) & set(gb))
+    print(json.dumps({
+        "logit_max_abs_diff": (la - lb).abs().max().item(),
+        "logit_max_abs": la.abs().max().item(),
+        "grad_max_rel_diff": max(((ga[n] - gb[n]).norm() / gb[n].norm().clamp_min(1e-12)).item() for n in common),
+        "params_compared": len(common), "params_a": len(ga), "params_b": len(gb),
+        "same_keys": [k for k in ka if not k.endswith("_extra_state")] == [k for k in kb if not k.endswith("_extra_state")],
+    }))
+    platform.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Presets, flag/YAML resolution, and one clear error for each configuration that cannot run."""
+import pytest
+
+from litespark_megatron.config import PRESETS, ConfigError, padded_vocab_size, resolve, validate
+
+
+def check(argv, world=1, cuda=False, te=False, fp8_capable=False):
+    validate(resolve(argv), world, cuda=cuda, te=te, fp8_capable=fp8_capable)
+
+
+def test_presets_have_the_documented_shapes():
+    p = PRESETS["llama-3b"]
+    assert (p.hidden_size, p.num_layers, p.ffn_hidden_size, p.num_attention_heads, p.num_query_groups,
+            p.vocab_size) == (3072, 28, 8192, 24, 8, 128256)
+    assert {"tiny", "llama-1b", "llama-3b", "llama-30b", "llama3-8b"} <= set(PRESETS)
+    for name in PRESETS:  # every preset is valid on one process
+        check(["--model", name])
+
+
+def test_flags_override_preset_and_yaml(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: llama-3b\nnum-layers: 4\nlr: 0.001\nsequence_parallel: true\n")
+    args = resolve(["--config", str(cfg), "--lr", "0.002"])
+    assert args.hidden_size == 3072 and args.num_layers == 4  # preset, then file
+    assert args.lr == 0.002 and args.sequence_parallel is True  # flag beats file
+    assert args.lr_decay_iters == args.train_iters
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nmu-layers: 4\n")
+    with pytest.raises(ConfigError, match="unknown key 'nmu-layers'"):
+        resolve(["--config", str(bad)])
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by TP x PP x CP"),
+    (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible"),
+    (["--model", "llama-3b", "--tensor-model-parallel-size", "3"], 3, "--num-query-groups (KV heads) 8 is not"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     "not divisible by PP x layers per virtual stage"),
+    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 needs the Transformer Engine backend"),
+    (["--fp8-format", "hybrid"], 1, "FP8 (--fp8-format) needs Transformer Engine"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size 6 is not divisible"),
+    (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
+    (["--spec", "stock-te"], 1, "--spec stock-te needs Transformer Engine"),
+])
+def test_bad_configuration_is_refused(argv, world, message):
+    with pytest.raises(ConfigError) as e:
+        check(argv, world)
+    assert message in str(e.value)
+
+
+def test_fp8_needs_a_gpu_and_fp8_hardware():
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        check(["--fp8-format", "e4m3"], te=True, cuda=False)
+    with pytest.raises(ConfigError, match="FP8 tensor cores"):
+        check(["--fp8-format", "e4m3", "--bf16"], te=True, cuda=True, fp8_capable=False)
+    check(["--fp8-format", "e4m3", "--bf16"], te=True, cuda=True, fp8_capable=True)
+
+
+def test_unknown_preset_spec_and_backend():
+    with pytest.raises(ConfigError, match="unknown model preset 'llama-7b'; choose one of: tiny"):
+        resolve(["--model", "llama-7b"])
+    with pytest.raises(ConfigError, match="unknown --spec 'fast'"):
+        resolve(["--spec", "fast"])
+    with pytest.raises(ConfigError, match="--transformer-impl te: Transformer Engine is not importable"):
+        check(["--transformer-impl", "te"])
+
+
+def test_vocab_padding_is_independent_of_tp():
+    assert padded_vocab_size(128256, 128) == 128256
+    assert padded_vocab_size(4097, 128) == 4224

@@ -1,0 +1,57 @@
+"""The Litespark layer computes the same function as megatron-core's stock Llama layer."""
+import json
+
+import pytest
+import torch
+
+from conftest import TESTS
+
+
+def _compare(py, spec_a, spec_b, *flags):
+    proc = py(TESTS / "spec_worker.py", spec_a, spec_b, *flags)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_litespark_local_equals_stock_local(py):
+    r = _compare(py, "litespark", "stock-local", "--transformer-impl", "local")
+    assert r["same_keys"], "state-dict keys differ: checkpoints would not be interchangeable"
+    assert r["params_compared"] == r["params_a"] == r["params_b"]
+    assert r["logit_max_abs_diff"] <= 1e-5 * max(1.0, r["logit_max_abs"])
+    assert r["grad_max_rel_diff"] <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the te backend needs a CUDA GPU and Transformer Engine")
+def test_litespark_te_equals_stock_te(py):
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
+    r = _compare(py, "litespark", "stock-te", "--transformer-impl", "te", "--bf16")
+    assert r["same_keys"]
+    assert r["logit_max_abs_diff"] <= 2e-2 * max(1.0, r["logit_max_abs"])  # bf16 tolerance
+    assert r["grad_max_rel_diff"] <= 5e-2
+
+
+def test_spec_module_tree():
+    """The spec is data: a TransformerLayer whose attention and MLP are the Litespark classes."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from litespark_megatron.layers import LitesparkCoreAttention, LitesparkMLP, LitesparkRMSNorm, LitesparkSelfAttention
+    from litespark_megatron.specs import LOCAL_TO_TE_KEYS, get_litespark_layer_spec
+
+    spec = get_litespark_layer_spec(backend="local")
+    assert spec.module is TransformerLayer
+    sub = spec.submodules
+    assert sub.self_attention.module is LitesparkSelfAttention
+    assert sub.self_attention.submodules.core_attention is LitesparkCoreAttention
+    assert sub.mlp.module is LitesparkMLP
+    assert sub.input_layernorm is LitesparkRMSNorm and sub.pre_mlp_layernorm is LitesparkRMSNorm
+    assert sub.sharded_state_dict_keys_map == LOCAL_TO_TE_KEYS
+
+
+def test_unknown_backend_and_spec_are_refused():
+    from litespark_megatron.config import ConfigError
+    from litespark_megatron.specs import get_layer_spec, get_litespark_layer_spec
+
+    with pytest.raises(ConfigError, match="unknown Litespark backend 'cuda'"):
+        get_litespark_layer_spec(backend="cuda")
+    with pytest.raises(ConfigError, match="unknown --spec 'gpt2'"):
+        get_layer_spec("gpt2", "local")
