@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Bad input the user can fix: printed as one line, exit code 2, no traceback."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration that cannot run. The message says what is wrong and what to do."""
 
 
@@ -202,9 +206,11 @@ def resolve(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.model not in PRESETS:
         raise ConfigError(f"unknown model preset '{args.model}'; choose one of: {', '.join(PRESETS)}")
     preset = PRESETS[args.model]
+    args.preset_fields = []  # fields taken from the preset (not given): e.g. the vocabulary may follow the data
     for name in MODEL_FIELDS:
         if getattr(args, name, None) is None:
             setattr(args, name, getattr(preset, name))
+            args.preset_fields.append(name)
     if args.spec not in SPECS:
         raise ConfigError(f"unknown --spec '{args.spec}'; choose one of: {', '.join(SPECS)}")
     if args.backend not in BACKENDS:

@@ -13,7 +13,6 @@ import gzip
 import io
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -472,15 +471,14 @@ def build_preprocess_parser(prog: Optional[str] = None) -> argparse.ArgumentPars
     p = argparse.ArgumentParser(
         prog=prog,
         description="Tokenize text into a megatron-core indexed dataset (PREFIX.bin + PREFIX.idx), the format of "
-                    "Megatron-LM's tools/preprocess_data.py. Train with --data-path PREFIX.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "Megatron-LM's tools/preprocess_data.py. Train with --data-path PREFIX.")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="JSONL files (.jsonl/.json, optionally .gz; one JSON object per line) or plain UTF-8 "
                         "text files (one document per file)")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin and PREFIX.idx (PREFIX_KEY.* for several --json-keys)")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                   help="JSONL keys holding the text; one dataset per key")
+                   help="JSONL keys holding the text, one dataset per key (default: text)")
     p.add_argument("--txt-split-lines", action="store_true",
                    help="plain text: one document per non-empty line instead of per file")
     p.add_argument("--tokenizer-type", default=None,
@@ -491,15 +489,15 @@ def build_preprocess_parser(prog: Optional[str] = None) -> argparse.ArgumentPars
                    help="instead of --tokenizer-model, train an N-token byte-level BPE on the input and save it "
                         "in PREFIX_tokenizer/")
     p.add_argument("--train-tokenizer-max-bytes", type=int, default=1 << 30, metavar="B",
-                   help="train the tokenizer on at most the first B bytes of text")
+                   help="train the tokenizer on at most the first B bytes of text (default: 1 GiB)")
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end every document with the tokenizer's end-of-document token")
+                   help="end every document with the tokenizer's end-of-document token (default: on)")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer threads (default: all cores)")
     return p
 
 
-def _limit_chars(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+def _limit_bytes(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
     used = 0
     for text in texts:
         if used >= max_bytes:
@@ -533,7 +531,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, IndexedDatasetWriter]:
     if args.train_tokenizer_vocab_size is not None:
         save_dir = default_tokenizer_dir(args.output_prefix)
         texts = (r[k] for r in iter_documents(args.input, keys, args.txt_split_lines) for k in keys)
-        tokenizer = train_bpe_tokenizer(_limit_chars(texts, args.train_tokenizer_max_bytes),
+        tokenizer = train_bpe_tokenizer(_limit_bytes(texts, args.train_tokenizer_max_bytes),
                                         args.train_tokenizer_vocab_size, save_dir)
         print(f"tokenizer: {save_dir} ({tokenizer.vocab_size} tokens)")
     else:
@@ -544,7 +542,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, IndexedDatasetWriter]:
                                            prefixes, append_eod=args.append_eod)
     for writer in writers.values():
         skipped = f", {writer.num_skipped} empty skipped" if writer.num_skipped else ""
-        print(f"wrote {writer.prefix}.bin/.idx: {writer.num_documents} documents, {writer.num_tokens} tokens "
+        print(f"wrote {writer.prefix}.bin and .idx: {writer.num_documents} documents, {writer.num_tokens} tokens "
               f"({np.dtype(writer.dtype).name}){skipped} in {time.time() - t0:.1f} s")
     return writers
 
@@ -557,7 +555,9 @@ def preprocess_main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = 
     except SystemExit as e:  # argparse exits on --help (0) and usage errors (2); report, don't exit
         return int(e.code or 0)
     if not logging.getLogger().handlers:
+        # Progress of this package at INFO; megatron-core's per-file index chatter stays at WARNING.
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        logging.getLogger("litespark_megatron").setLevel(logging.INFO)
     try:
         preprocess(args)
     except DataError as e:

@@ -24,6 +24,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import numpy as np
 import torch
 
+from .config import UserError
+
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
@@ -44,7 +46,7 @@ _BATCH_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torc
 _SPLIT_NAMES = ("train", "valid", "test")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Data or tokenizer input that cannot be used. The message says what is wrong and what to do."""
 
 
@@ -333,8 +335,9 @@ def train_bpe_tokenizer(text_iterator: Iterable[str], vocab_size: int, save_dir:
 
     try:
         os.makedirs(save_dir, exist_ok=True)
+        # GPT-2's convention: one <|endoftext|> serves as BOS and EOS; byte-level BPE has no unknown token.
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN, "bos_token": EOD_TOKEN,
-                  "unk_token": EOD_TOKEN, "add_prefix_space": False, "model_max_length": 1 << 30}
+                  "add_prefix_space": False, "model_max_length": 1 << 30}
         _atomic_write_text(os.path.join(save_dir, "tokenizer_config.json"), json.dumps(config, indent=2) + "\n")
         _atomic_write_text(os.path.join(save_dir, "tokenizer.json"), backend.to_str())
     except OSError as e:
@@ -636,7 +639,17 @@ def build_datasets(args, tokenizer: Tokenizer, train_valid_test_num_samples: Seq
         create_attention_mask=False,
     )
     builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or (lambda: True), config)
-    train, valid, test = builder.build()
+    try:
+        train, valid, test = builder.build()
+    except Exception as e:
+        # Index caches go to --data-cache-path, or by megatron-core's default next to the data, which may be
+        # read-only; under torch.distributed megatron-core wraps the OSError in a plain Exception.
+        cause = e if isinstance(e, OSError) else e.__cause__
+        if isinstance(cause, OSError):
+            where = path_to_cache or "the directory of the data (megatron-core's default)"
+            raise DataError(f"cannot write megatron-core's dataset index cache in {where} "
+                            f"({cause.strerror or cause}); pass --data-cache-path DIR on a writable disk") from None
+        raise
     return train, valid, test
 
 

@@ -262,6 +262,23 @@ def apply_cpu_shims() -> list:
     return sorted(_applied)
 
 
+def quiet_library_noise() -> None:
+    """megatron-core warns on every import that TE/Apex are absent (expected on CPU: the fallbacks are what we
+    use) and that it does not know the Litespark MLP class (it then passes no tp_group, which LitesparkMLP takes
+    from parallel_state). Neither is actionable for a user."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex are|Apex is) not installed.*")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
+
+    class _DropUnknownMLP(logging.Filter):
+        def filter(self, record):
+            return "Unknown MLP type" not in record.getMessage()
+
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_DropUnknownMLP())
+
+
 # --------------------------------------------------------------------------------------------- process groups
 def init_distributed(args, platform: Optional[Platform] = None) -> Platform:
     """Start torch.distributed (torchrun's env, or a single process), megatron's parallel_state and the seeds."""

@@ -1,6 +1,7 @@
 """Data pipeline: preprocessing, tokenizers, dataset building, the resumable iterator, the stdlib corpus and the
 error messages of bad input."""
 import argparse
+import gzip
 import json
 import math
 import os
@@ -120,6 +121,16 @@ def test_preprocess_text_files_and_existing_tokenizer(tmp_path, capsys):
     assert read_back(per_file)[0] == [tok.tokenize(a.read_text()), tok.tokenize("whole file document")]
     assert read_back(per_line)[0] == [tok.tokenize("first line") + [tok.eod],
                                       tok.tokenize("second line") + [tok.eod]]
+
+    # gzipped JSONL with several keys: one dataset per key, as Megatron-LM's tool does
+    records = [{"title": f"t{i}", "text": f"body {i} " * 3} for i in range(4)]
+    with gzip.open(tmp_path / "r.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    multi = str(tmp_path / "multi")
+    assert corpus.preprocess_main(["--input", str(tmp_path / "r.jsonl.gz"), "--output-prefix", multi,
+                                   "--json-keys", "title", "text", "--tokenizer-model", str(tok_dir)]) == 0
+    for key in ("title", "text"):
+        assert read_back(f"{multi}_{key}")[0] == [tok.tokenize(r[key]) + [tok.eod] for r in records]
 
 
 def test_preprocess_errors_exit_2_and_leave_nothing(tmp_path, capsys):
@@ -282,6 +293,13 @@ def test_split_validation(tmp_path):
     with deadline(60):
         train, valid, test = data.build_datasets(make_args(data_path=[big], split="98,2,0"), tok, [50, 5, 0])
     assert len(train) >= 50 and len(valid) >= 5 and test is None
+
+    not_a_dir = tmp_path / "not_a_dir"
+    not_a_dir.write_text("")
+    with pytest.raises(DataError, match=rf"cannot write megatron-core's dataset index cache in {not_a_dir} .*"
+                                        r"--data-cache-path"):
+        data.build_datasets(make_args(data_path=[big], split="1", data_cache_path=str(not_a_dir)), tok,
+                            [10, 0, 0])
 
 
 def test_blend_weights_are_honoured(tmp_path):

@@ -6,7 +6,8 @@
    (On CPU, FlopCounterMode does not count F.scaled_dot_product_attention at all, hence explicit matmuls.)
 2. Megatron-LM's published formula, ``num_floating_point_operations`` of megatron/training/training.py,
    transcribed below from NVIDIA/Megatron-LM main at commit 001b00c2734d8f0fad096fe48a382fedf755d321: it halves
-   causal attention (the counter's "half" convention; Megatron-LM releases of 2024 counted the full square).
+   causal attention (the counter's "half" convention; the formula of mid-2024, e.g. commit c3677e0, counted the
+   full square: the "full" convention).
 3. Values worked out by hand for the llama-3b and llama-30b presets.
 """
 import math
@@ -254,7 +255,8 @@ def megatron_lm_flops(args, batch_size):
                                          * (args.qk_head_dim + args.qk_pos_emb_head_dim) + 1)
         attn = fb * fma * (
             q_term
-            + args.kv_lora_rank * (args.hidden_size + args.num_attention_heads * (args.qk_head_dim + args.v_head_dim) + 1)
+            + args.kv_lora_rank * (args.hidden_size
+                                   + args.num_attention_heads * (args.qk_head_dim + args.v_head_dim) + 1)
             + args.hidden_size * args.qk_pos_emb_head_dim
             + (args.num_attention_heads * args.v_head_dim) * args.hidden_size
             + args.seq_length * (args.num_attention_heads * (args.qk_head_dim + args.qk_pos_emb_head_dim)) / 2

@@ -71,6 +71,8 @@ def test_dense_peaks_and_fp8_basis():
     assert (fp8.tflops, fp8.mfu_basis, fp8.precision_peak_tflops) == (989.4, "bf16-dense", 1978.9)
     assert detect_peak("NVIDIA A100-SXM4-80GB", "bf16").tflops == 312.0
     assert detect_peak("NVIDIA A100-PCIE-40GB", "bf16").tflops == 312.0
+    assert detect_peak("NVIDIA H200", "torch.bfloat16").mfu_basis == "bf16-dense"
+    assert detect_peak("NVIDIA H200", "hybrid").precision == "fp8"  # --fp8-format names
     override = detect_peak("anything at all", "bf16", override=500)
     assert (override.tflops, override.mfu_basis) == (500.0, "override")
     assert mfu(494.7e12, bf16) == pytest.approx(0.5)

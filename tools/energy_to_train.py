@@ -243,8 +243,8 @@ def render(out: dict) -> str:
         f"  GPU power      {i['gpu_power_w']:,.1f} W per GPU while training  [{i['power_source']}]",
         f"  target         {i['target_tokens']:,} tokens  [{i['target_source']}]",
         f"  cluster        {i['nodes']} nodes x {i['gpus_per_node']} GPUs = {i['gpus']} GPUs",
-        f"  scaling        {i['scaling_efficiency']:g} of the per-GPU throughput above on this cluster "
-        f"[assumed: --scaling-efficiency]",
+        f"  scaling        efficiency {i['scaling_efficiency']:.2f}: each GPU of this cluster runs at "
+        f"{i['scaling_efficiency']:.2f} x the throughput above [assumed: --scaling-efficiency]",
         f"  node overhead  x{i['node_overhead']:g} on GPU energy for CPUs, memory, NICs, fans, storage "
         f"[assumed: --node-overhead]",
         f"  PUE            x{i['pue']:g} on node energy for cooling and power distribution [assumed: --pue]",

@@ -132,8 +132,9 @@ def render(out: dict) -> str:
         if peak["mfu_basis"] == "override":
             lines.append(f"peak: {peak['tflops']:g} TFLOP/s per GPU (--peak-tflops), {peak['precision']} run")
         else:
-            lines.append(f"peak: {peak['device']} {peak['tflops']:g} TFLOP/s per GPU, dense {peak['mfu_basis'].split('-')[0]}"
-                         f" (datasheet); MFU basis {peak['mfu_basis']}" +
+            basis = peak["mfu_basis"].split("-")[0]
+            lines.append(f"peak: {peak['device']} {peak['tflops']:g} TFLOP/s per GPU, dense {basis} (datasheet); "
+                         f"MFU basis {peak['mfu_basis']}" +
                          (f" (FP8 dense peak {peak['precision_peak_tflops']:g} not used for MFU)"
                           if peak["precision"] == "fp8" else ""))
     m = out["measured"]

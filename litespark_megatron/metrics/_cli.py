@@ -161,7 +161,8 @@ def describe_shape(name: Optional[str], s: ModelShape) -> str:
                 f"qk {m.qk_head_dim}+{m.qk_pos_emb_head_dim}, v {m.v_head_dim})")
     else:
         attn = f"{s.num_attention_heads} heads / {s.num_query_groups} query groups, head dim {s.kv_channels}"
-    text = (f"{name or 'custom'}: {s.num_layers} layers, hidden {s.hidden_size}, FFN {s.ffn_hidden_size} {mlp}, {attn}, "
+    text = (f"{name or 'custom'}: {s.num_layers} layers, hidden {s.hidden_size}, FFN {s.ffn_hidden_size} {mlp}, "
+            f"{attn}, "
             f"vocab {s.vocab_size} (padded), seq {s.seq_length}, "
             f"{'untied' if s.untie_embeddings_and_output_weights else 'tied'} embeddings")
     if s.moe is not None:

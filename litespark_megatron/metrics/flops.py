@@ -14,12 +14,14 @@ FLOPs (MFU uses model FLOPs, HFU hardware FLOPs; Korthikanti et al. 2022).
 Attention-core conventions (the only place where published counters disagree):
 
 * ``"half"``: causal attention counts half of the s x s score and value matmuls (each query attends to s/2
-  keys on average), as Megatron-LM's ``num_floating_point_operations`` does since 2025 and as causal
+  keys on average), as current Megatron-LM ``num_floating_point_operations`` does and as causal
   flash-attention kernels actually compute.
 * ``"full"``: the full s x s matmuls, with no causal skipping: Megatron-LM's formula before it was halved and
   NeMo's ``flops_formulas`` before causal halving was added there (the basis of its published performance
-  tables). It is also what ``torch.utils.flop_counter.FlopCounterMode`` measures on explicit matmuls, or on
-  SDPA even with ``is_causal=True``.
+  tables). It is also what ``torch.utils.flop_counter.FlopCounterMode`` measures on explicit matmuls. (On the
+  CUDA SDPA kernels FlopCounterMode ignores ``is_causal`` too, but counts 5 backward matmuls, the flash
+  backward's recomputation of Q K^T included: 3.5x the forward attention core instead of 3x. On CPU it does
+  not count SDPA at all.)
 
 The two differ by 6 * L * s * n * d_head training FLOPs per token (10% of the "half" total for llama-3b at
 s=4096, growing with s), so an MFU figure means little unless its convention is named.
@@ -34,7 +36,7 @@ CAUSAL_CONVENTIONS = {
     "half": "causal attention counted as half of the s x s score and value matmuls "
             "(Megatron-LM/Megatron-Core convention)",
     "full": "attention counted as the full s x s score and value matmuls, no causal skipping "
-            "(NeMo performance-table convention; what torch FlopCounterMode measures)",
+            "(NeMo performance-table convention; what torch FlopCounterMode measures on explicit matmuls)",
 }
 RECOMPUTE_CHOICES = (None, "full", "selective")
 

@@ -83,7 +83,7 @@ _PRECISION_ALIASES = {
 
 
 def normalize_precision(precision: str) -> str:
-    key = str(precision).strip().lower()
+    key = str(precision).strip().lower().removeprefix("torch.")  # also accepts torch.bfloat16 / torch.float16
     if key not in _PRECISION_ALIASES:
         raise PeakError(f"unknown precision {precision!r}; use one of bf16, fp16, fp8, tf32")
     return _PRECISION_ALIASES[key]

@@ -1,0 +1,7 @@
+"""`python -m litespark_megatron` is `litespark-train`."""
+import sys
+
+from litespark_megatron.training.loop import main
+
+if __name__ == "__main__":
+    sys.exit(main())
