@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (saving a checkpoint if --save is set) once the iteration is a multiple of this")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=None)

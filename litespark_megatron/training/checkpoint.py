@@ -110,13 +110,21 @@ def _rng_sharded_object(state) -> ShardedObject:
     return ShardedObject("rng_state", state, shape, offset, replica_id=0)
 
 
+def _unwrap(chunk):
+    """DDP(Float16Module(GPTModel)) -> GPTModel: checkpoints hold the model's own keys, not the wrappers'."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
 def _state_dict(args, model, optimizer, scheduler, *, is_loading: bool, with_rng: bool, metadata: dict,
                 iteration: int = 0, train_state: Optional[dict] = None) -> dict:
-    sd = {_model_key(i, len(model)): chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
+    sd = {_model_key(i, len(model)): _unwrap(chunk).sharded_state_dict(metadata=metadata)
+          for i, chunk in enumerate(model)}
     if optimizer is not None:
         if is_loading:
             _allocate_distributed_optimizer_state(optimizer)
@@ -184,7 +192,7 @@ def load(args, model, optimizer, scheduler) -> tuple:
                            with_rng=same_layout, metadata=metadata)
     loaded = dist_checkpointing.load(template, path)
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+        _unwrap(chunk).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
     if has_optim:
         optimizer.load_state_dict(loaded["optimizer"])
     if "opt_param_scheduler" in common:

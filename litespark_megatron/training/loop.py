@@ -70,10 +70,10 @@ def prepare(argv):
         data.check_vocab(tokenizer, args.vocab_size)
     args.global_batch_size = args.global_batch_size or args.micro_batch_size * config_lib.data_parallel_size(
         args, world)
-    if args.save:
-        checkpoint.check_writable(args.save)
     if args.load:
         checkpoint.latest_iteration(args.load)
+    if args.save:
+        checkpoint.check_writable(args.save)
     args.tokenizer = tokenizer
     return args, plat, corpus
 
@@ -226,6 +226,9 @@ def train(args, plat, corpus=None) -> dict:
             did_other = True
         if did_other:
             telemetry.start_interval()  # eval and saves are not training throughput
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            log0(f"exit interval reached at iteration {iteration}")
+            break
 
     # End of run: final validation, checkpoint, summary.
     if iteration > start_iteration or not last_val:
