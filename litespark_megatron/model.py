@@ -25,8 +25,19 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def _apex_fused_wgrad() -> bool:
+    """megatron's own ColumnParallelLinear (the output layer) fuses weight-gradient accumulation only with Apex's
+    fused_weight_gradient_mlp_cuda extension; TE modules have their own."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def transformer_config(args, backend: str, device_type: str) -> TransformerConfig:
-    te = backend == "te" or args.spec == "stock-te"
+    # Transformer Engine modules are in the layer only with these specs; fusions below follow the modules in use.
+    te = args.spec == "stock-te" or (args.spec == "litespark" and backend == "te")
     dtype = params_dtype(args)
     vp = virtual_pipeline_size(args)
     recompute = {}
@@ -76,9 +87,9 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         apply_rope_fusion=te,
         bias_activation_fusion=False,
         masked_softmax_fusion=te,
-        bias_dropout_fusion=te,
-        persist_layer_norm=te,
-        gradient_accumulation_fusion=te and device_type == "cuda",
+        bias_dropout_fusion=device_type == "cuda",
+        persist_layer_norm=False,  # an Apex FusedLayerNorm option; TE norms and torch norms have no such mode
+        gradient_accumulation_fusion=te and device_type == "cuda" and _apex_fused_wgrad(),
         deallocate_pipeline_outputs=device_type == "cuda",
         **recompute,
         **fp8,

@@ -306,7 +306,8 @@ def init_distributed(args, platform: Optional[Platform] = None) -> Platform:
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
-        create_gloo_process_groups=backend == "gloo" or args.use_distributed_optimizer,
+        # megatron's optimizers use gloo groups for CPU-side state exchange (as Megatron-LM does by default).
+        create_gloo_process_groups=True,
     )
     set_seeds(args.seed, platform)
     return platform
@@ -322,7 +323,7 @@ def set_seeds(seed: int, platform: Platform) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=platform.te, force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def shutdown() -> None:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Checks a GPU install end to end: the GPU-only tests (TE spec equivalence, fused kernels), then the tiny model
+# for a few steps with each spec/backend and precision on one GPU, then (with >= 2 GPUs) TP2, TP2+SP, PP2, DP2
+# and CP2. Logs go to ${OUT_DIR:-runs/gpu_check}; the last lines are a table.
+#   bash scripts/gpu_check.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT_DIR="${OUT_DIR:-runs/gpu_check}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+FP8=$(python3 -c "import torch; print(int(torch.cuda.get_device_capability() >= (8, 9)))")
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpus.txt"
+
+python3 -m pytest -q -p no:cacheprovider tests/test_specs.py tests/test_kernels.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" | tail -3
+
+TINY=(--model tiny --mock-data --seq-length 256 --vocab-size 4096 --micro-batch-size 4 --global-batch-size 16
+      --train-iters 30 --log-interval 10 --eval-iters 0 --lr 1e-3 --seed 5)
+results=()
+run() {  # name nproc flags...
+  local name=$1 nproc=$2; shift 2
+  local log="$OUT_DIR/$name.log"
+  torchrun --standalone --nproc-per-node "$nproc" -m litespark_megatron "${TINY[@]}" "$@" >"$log" 2>&1
+  local rc=$?
+  local line; line=$(grep -E "^step +30/30" "$log" | tail -1)
+  results+=("$(printf '%-28s rc=%s  %s' "$name" "$rc" "${line:-$(grep -m1 -E 'Error|error' "$log")}")")
+}
+run litespark-te-bf16 1 --transformer-impl te --bf16
+run litespark-local-bf16 1 --transformer-impl local --bf16
+run litespark-local-fp32 1 --transformer-impl local
+run stock-te-bf16 1 --spec stock-te --bf16
+run stock-local-bf16 1 --spec stock-local --bf16
+if [ "$FP8" = 1 ]; then
+  run litespark-te-fp8 1 --transformer-impl te --bf16 --fp8-format hybrid --fp8-recipe delayed
+  run litespark-te-fp8-tensorwise 1 --transformer-impl te --bf16 --fp8-format e4m3 --fp8-recipe tensorwise
+fi
+if [ "$NGPU" -ge 2 ]; then
+  run te-tp2 2 --transformer-impl te --bf16 --tensor-model-parallel-size 2
+  run te-tp2-sp 2 --transformer-impl te --bf16 --tensor-model-parallel-size 2 --sequence-parallel
+  run te-pp2 2 --transformer-impl te --bf16 --pipeline-model-parallel-size 2
+  run te-dp2-distopt 2 --transformer-impl te --bf16 --use-distributed-optimizer
+  run te-cp2 2 --transformer-impl te --bf16 --context-parallel-size 2
+  run local-tp2-sp 2 --transformer-impl local --bf16 --tensor-model-parallel-size 2 --sequence-parallel
+  run local-dp2 2 --transformer-impl local --bf16
+fi
+printf '%s\n' "${results[@]}" | tee "$OUT_DIR/summary.txt"
