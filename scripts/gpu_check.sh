@@ -2,7 +2,7 @@
 # Checks a GPU install end to end: the GPU-only tests (TE spec equivalence, fused kernels), then the tiny model
 # for a few steps with each spec/backend and precision on one GPU, then (with >= 2 GPUs) TP2, TP2+SP, PP2, DP2
 # and CP2. Logs go to ${OUT_DIR:-runs/gpu_check}; the last lines are a table.
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh            # PARTS="tests single multi" by default; pick a subset with PARTS=...
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -13,7 +13,11 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 FP8=$(python3 -c "import torch; print(int(torch.cuda.get_device_capability() >= (8, 9)))")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpus.txt"
 
-python3 -m pytest -q -p no:cacheprovider tests/test_specs.py tests/test_kernels.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" | tail -3
+PARTS="${PARTS:-tests single multi}"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has tests; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_specs.py tests/test_kernels.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" | tail -3
+fi
 
 TINY=(--model tiny --mock-data --seq-length 256 --vocab-size 4096 --micro-batch-size 4 --global-batch-size 16
       --train-iters 30 --log-interval 10 --eval-iters 0 --lr 1e-3 --seed 5)
@@ -26,16 +30,18 @@ run() {  # name nproc flags...
   local line; line=$(grep -E "^step +30/30" "$log" | tail -1)
   results+=("$(printf '%-28s rc=%s  %s' "$name" "$rc" "${line:-$(grep -m1 -E 'Error|error' "$log")}")")
 }
-run litespark-te-bf16 1 --transformer-impl te --bf16
-run litespark-local-bf16 1 --transformer-impl local --bf16
-run litespark-local-fp32 1 --transformer-impl local
-run stock-te-bf16 1 --spec stock-te --bf16
-run stock-local-bf16 1 --spec stock-local --bf16
-if [ "$FP8" = 1 ]; then
-  run litespark-te-fp8 1 --transformer-impl te --bf16 --fp8-format hybrid --fp8-recipe delayed
-  run litespark-te-fp8-tensorwise 1 --transformer-impl te --bf16 --fp8-format e4m3 --fp8-recipe tensorwise
+if has single; then
+  run litespark-te-bf16 1 --transformer-impl te --bf16
+  run litespark-local-bf16 1 --transformer-impl local --bf16
+  run litespark-local-fp32 1 --transformer-impl local
+  run stock-te-bf16 1 --spec stock-te --bf16
+  run stock-local-bf16 1 --spec stock-local --bf16
+  if [ "$FP8" = 1 ]; then
+    run litespark-te-fp8 1 --transformer-impl te --bf16 --fp8-format hybrid --fp8-recipe delayed
+    run litespark-te-fp8-tensorwise 1 --transformer-impl te --bf16 --fp8-format e4m3 --fp8-recipe tensorwise
+  fi
 fi
-if [ "$NGPU" -ge 2 ]; then
+if has multi && [ "$NGPU" -ge 2 ]; then
   run te-tp2 2 --transformer-impl te --bf16 --tensor-model-parallel-size 2
   run te-tp2-sp 2 --transformer-impl te --bf16 --tensor-model-parallel-size 2 --sequence-parallel
   run te-pp2 2 --transformer-impl te --bf16 --pipeline-model-parallel-size 2
