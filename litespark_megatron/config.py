@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     g.add_argument("--spec", default="litespark", help=f"layer spec: {', '.join(SPECS)}")
     g.add_argument("--transformer-impl", dest="backend", default="auto",
-                   help="litespark backend: te (Transformer Engine), local (megatron-core local modules, "
-                        "runs on CPU) or auto (te when importable and on GPU)")
+                   help="litespark backend: te (or transformer_engine: Transformer Engine), local (megatron-core "
+                        "local modules, runs on CPU) or auto (te when importable and on GPU)")
     for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups",
                  "vocab-size", "seq-length", "max-position-embeddings", "rotary-base"):
         g.add_argument(f"--{name}", type=int, default=None, help="override the preset")
@@ -215,6 +215,8 @@ def resolve(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.preset_fields.append(name)
     if args.spec not in SPECS:
         raise ConfigError(f"unknown --spec '{args.spec}'; choose one of: {', '.join(SPECS)}")
+    if args.backend == "transformer_engine":  # Megatron-LM's spelling
+        args.backend = "te"
     if args.backend not in BACKENDS:
         raise ConfigError(f"unknown --transformer-impl '{args.backend}'; choose one of: {', '.join(BACKENDS)}")
     if args.lr_decay_iters is None:

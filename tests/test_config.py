@@ -72,6 +72,11 @@ def test_unknown_preset_spec_and_backend():
         check(["--transformer-impl", "te"])
 
 
+def test_megatron_spelling_of_transformer_impl():
+    assert resolve(["--transformer-impl", "transformer_engine"]).backend == "te"
+    assert resolve(["--transformer-impl", "local"]).backend == "local"
+
+
 def test_vocab_padding_is_independent_of_tp():
     assert padded_vocab_size(128256, 128) == 128256
     assert padded_vocab_size(4097, 128) == 4224
