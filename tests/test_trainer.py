@@ -92,3 +92,47 @@ def test_bad_batch_and_layout_are_refused_before_work(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("litespark-train: error: --global-batch-size 6 is not divisible "
                                                     "by micro-batch x data-parallel = 4 x 1 = 4")
     assert not (tmp_path / "s").exists()
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """Three short documents, tokenized with a 300-token BPE trained on them (tools/preprocess_data.py)."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20}) + "\n"
+                            for i in range(3)))
+    proc = run([sys.executable, "tools/preprocess_data.py", "--input", docs, "--output-prefix", root / "d",
+                "--train-tokenizer-vocab-size", "300"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "d"
+
+
+DATA = ["--model", "tiny", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
+        "--train-iters", "2", "--eval-iters", "1"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (lambda c: ["--data-path", str(c) + "_missing"], "missing data prefix"),
+    (lambda c: ["--data-path", str(c), "--vocab-size", "128"], "the tokenizer has 277 tokens but the model's vocabulary is 128"),
+    (lambda c: ["--data-path", str(c), "--split", "98,1,1"], "--split 98,1,1 gives the"),
+], ids=["missing-prefix", "vocab-larger-than-model", "empty-split-part"])
+def test_bad_data_is_refused_before_work(small_corpus, tmp_path, flags, message):
+    save = tmp_path / "save"
+    proc = train(1, *DATA, *flags(small_corpus), "--save", save)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("litespark-train: error: ") and message in last, last
+    assert "Traceback" not in proc.stderr
+    assert not save.exists(), "a refused run must not create its --save directory"
+
+
+def test_corrupt_index_is_refused(small_corpus, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copy(str(small_corpus) + ".bin", str(bad) + ".bin")
+    shutil.copytree(str(small_corpus) + "_tokenizer", str(bad) + "_tokenizer")
+    idx = open(str(small_corpus) + ".idx", "rb").read()
+    open(str(bad) + ".idx", "wb").write(idx[: len(idx) // 2])
+    proc = train(1, *DATA, "--data-path", bad)
+    assert proc.returncode == 2 and f"{bad}.idx" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

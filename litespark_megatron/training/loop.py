@@ -62,20 +62,29 @@ def prepare(argv):
             "stdlib-corpus")
         corpus = prepare_stdlib_corpus(cache)
         args.data_path, args.tokenizer_model, args.tokenizer_type = [corpus.prefix], corpus.tokenizer_dir, None
-    tokenizer = data.tokenizer_from_args(args)
     if not args.mock_data:
-        data.parse_data_path(args.data_path)  # missing prefixes, corrupt indices
+        prefixes, _ = data.parse_data_path(args.data_path)  # missing prefixes, corrupt indices
+    tokenizer = data.tokenizer_from_args(args)
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size * config_lib.data_parallel_size(
+        args, world)
+    if not args.mock_data:
         if "vocab_size" in args.preset_fields:
             args.vocab_size = tokenizer.vocab_size
         data.check_vocab(tokenizer, args.vocab_size)
-    args.global_batch_size = args.global_batch_size or args.micro_batch_size * config_lib.data_parallel_size(
-        args, world)
+        data.check_split([data.inspect_prefix(p) for p in prefixes], args.split, sample_counts(args))
     if args.load:
         checkpoint.latest_iteration(args.load)
     if args.save:
         checkpoint.check_writable(args.save)
     args.tokenizer = tokenizer
     return args, plat, corpus
+
+
+def sample_counts(args) -> list:
+    """Samples the run draws from the train, valid and test parts (megatron-core sizes its indices by these)."""
+    gbs = args.global_batch_size
+    evals = (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1
+    return [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs]
 
 
 def _run_files(args):
@@ -131,9 +140,7 @@ def train(args, plat, corpus=None) -> dict:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     gbs, mbs = args.global_batch_size, args.micro_batch_size
     num_micro = gbs // (mbs * dp)
-    evals = (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1
-    train_ds, valid_ds, _ = data.build_datasets(
-        args, tokenizer, [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs])
+    train_ds, valid_ds, _ = data.build_datasets(args, tokenizer, sample_counts(args))
 
     def iterators(dataset, consumed):
         return [data.build_iterator(dataset, consumed, mbs, dp_rank, dp, args.num_workers) for _ in model]

@@ -77,19 +77,24 @@ def _reduce_losses(loss_dicts: List[dict]) -> tuple:
     return loss_sum / max(tokens, 1.0), int(tokens)
 
 
-def train_step(model: list, optimizer, scheduler, data_iterators, num_microbatches: int, args) -> StepResult:
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss_dicts = get_forward_backward_func()(
+def _run_schedule(model: list, data_iterators, num_microbatches: int, args, forward_only: bool) -> List[dict]:
+    """One global batch through megatron's schedule for this layout (no pipelining, 1F1B or interleaved)."""
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterators if len(model) > 1 else data_iterators[0],
         model=model,
         num_microbatches=num_microbatches,
         seq_length=args.seq_length // args.context_parallel_size,
         micro_batch_size=args.micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
     )
+
+
+def train_step(model: list, optimizer, scheduler, data_iterators, num_microbatches: int, args) -> StepResult:
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss_dicts = _run_schedule(model, data_iterators, num_microbatches, args, forward_only=False)
     updated, grad_norm, _ = optimizer.step()
     if updated:
         scheduler.step(increment=1)
@@ -101,13 +106,4 @@ def train_step(model: list, optimizer, scheduler, data_iterators, num_microbatch
 @torch.no_grad()
 def eval_step(model: list, data_iterators, num_microbatches: int, args) -> tuple:
     """Forward only over one global batch: (mean loss per token, tokens)."""
-    loss_dicts = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data_iterators if len(model) > 1 else data_iterators[0],
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=args.seq_length // args.context_parallel_size,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=True,
-    )
-    return _reduce_losses(loss_dicts)
+    return _reduce_losses(_run_schedule(model, data_iterators, num_microbatches, args, forward_only=True))
