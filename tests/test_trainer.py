@@ -136,3 +136,17 @@ def test_corrupt_index_is_refused(small_corpus, tmp_path):
     open(str(bad) + ".idx", "wb").write(idx[: len(idx) // 2])
     proc = train(1, *DATA, "--data-path", bad)
     assert proc.returncode == 2 and f"{bad}.idx" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_fp16_loss_scaling_skips_and_counts_overflow_steps(tmp_path):
+    """fp16 starts at loss scale 2^16: the first steps overflow, are skipped (no update), counted and logged, and
+    the dynamic scaler backs off until steps go through."""
+    metrics = tmp_path / "m.jsonl"
+    ok(train(1, *MOCK, "--fp16", "--train-iters", "24", "--log-interval", "4", "--metrics-file", metrics))
+    train_records = [json.loads(l) for l in open(metrics) if '"kind": "train"' in l]
+    scales = [r["loss_scale"] for r in train_records]
+    skipped = [r["skipped_steps"] for r in train_records]
+    assert skipped[0] > 0 and skipped == sorted(skipped), skipped
+    assert train_records[-1]["skipped_in_interval"] == 0, "steps should go through once the scale fits"
+    assert scales[0] < 2.0 ** 16 and scales == sorted(scales, reverse=True), scales
+    assert train_records[-1]["loss"] is not None and train_records[-1]["loss"] < 10
