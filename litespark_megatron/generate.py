@@ -7,6 +7,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from .platform import current_device
+
 
 def can_sample(args) -> Optional[str]:
     """None if this layout can sample, else why not."""
@@ -19,7 +21,7 @@ def can_sample(args) -> Optional[str]:
 def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int = 64, top_k: int = 20,
            temperature: float = 0.8, seed: int = 0) -> str:
     """Continue `prompt`; every TP rank draws the same token (same generator seed, gathered logits)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = current_device()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(tokenizer.tokenize(prompt)) or [tokenizer.eod]
     start = len(ids)

@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import specs
+from .platform import current_device
 from .config import padded_vocab_size, virtual_pipeline_size
 
 
@@ -118,7 +119,7 @@ def build_model(args, config: TransformerConfig, backend: str, vocab_size: int) 
             vp_stage=stage,
         )
         chunks.append(model)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = current_device()
     for model in chunks:
         model.to(device)
         init_layout_invariant(model, config, args.seed)

@@ -342,7 +342,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def device(platform: Platform) -> torch.device:
-    if platform.device_type == "cuda":
+def current_device() -> torch.device:
+    """This rank's device: its GPU (set by init_distributed from LOCAL_RANK), or the CPU."""
+    if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

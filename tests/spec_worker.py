@@ -17,7 +17,7 @@ def main():
     plat = platform.init_distributed(args)
     backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(7))
-    device = platform.device(plat)
+    device = platform.current_device()
     results = {}
     for spec in (spec_a, spec_b):
         args.spec = spec

@@ -13,6 +13,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..platform import current_device
+
 
 @dataclass
 class StepResult:
@@ -20,10 +22,6 @@ class StepResult:
     tokens: int               # loss tokens in the global batch
     grad_norm: Optional[float]
     skipped: bool             # inf/nan in the grads (fp16 overflow): no update was applied
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -36,7 +34,7 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def forward_step(data_iterator: Iterator, model):
     """megatron's forward_step_func: one micro-batch -> per-token losses and how to reduce them."""
     batch = next(data_iterator)
-    device = _device()
+    device = current_device()
     tokens = batch["tokens"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
@@ -64,7 +62,7 @@ def _slice_for_context_parallel(*tensors):
 
 def _reduce_losses(loss_dicts: List[dict]) -> tuple:
     """Sum of loss and tokens over micro-batches and data-parallel (+CP) ranks, known on every rank."""
-    device = _device()
+    device = current_device()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for d in loss_dicts:
