@@ -1,0 +1,843 @@
+"""Training throughput, memory and energy of Litespark, stock Megatron-Core and HF transformers on one GPU.
+
+    python tools/benchmark.py --out runs/bench      # llama-3b, seq 4096, micro-batch 2, the five default systems
+    python tools/benchmark.py --systems hf-eager,litespark-bf16 --best-micro-batch --global-batch-size 8
+
+Every system trains the same model shape on the same synthetic random tokens (same sequence length, same tokens
+per optimizer step), each in a FRESH process, so that GPU memory, compile caches and megatron-core's global state
+never carry over from one system to the next. A worker runs `--warmup` steps, then `--steps` timed steps (wall
+time, with a CUDA synchronize after every step), and reports:
+
+* tokens/s, and model TFLOP/s per GPU from the exact counter (`metrics.flops.training_flops_per_step`: logits
+  included, attention counted in full, and also causal-halved);
+* MFU against the dense BF16 peak of the GPU (`metrics.peaks.detect_peak`, or `--peak-tflops`), also for FP8;
+* peak allocated GPU memory (`torch.cuda.max_memory_allocated`, the whole worker);
+* mean GPU power and J/token from NVML's total-energy counter over the timed steps only (`EnergyMeter`);
+* the tokens/s and J/token ratios to the HF eager baseline.
+
+Systems (`--systems`, comma list):
+
+* `hf-eager`, `hf-compile`: HF transformers `LlamaForCausalLM` built from a `LlamaConfig` of the same shape, SDPA
+  attention, bf16 parameters, `torch.optim.AdamW(fused=True)`, gradient clipping at 1.0, gradient accumulation for
+  several micro-batches; `hf-compile` wraps the model in `torch.compile`. They need `pip install transformers`,
+  which is not a dependency of this package.
+* `litespark-bf16`, `litespark-fp8` (FP8 hybrid, delayed scaling), `stock-te-bf16`, `stock-te-fp8`,
+  `litespark-local-bf16` (the no-TE backend): built exactly as litespark-train builds them (config.resolve flags
+  -> platform.init_distributed -> model.build_model -> optim.wrap_model/build_optimizer/build_scheduler ->
+  step.train_step), one process, megatron micro-batching.
+
+A system that cannot run (no Transformer Engine, no FP8, out of memory, an import error, a timeout) is reported
+as failed with a one-line reason; the others still run. Without CUDA everything runs in fp32 on the CPU (no bf16
+tensor cores to measure) and the GPU-only columns read "n/a", so the tool can be checked end to end anywhere.
+Writes OUT/benchmark.md and OUT/benchmark.json (raw numbers) with `--out`, worker logs in OUT/logs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .config import ConfigError, UserError, padded_vocab_size
+from .config import resolve as resolve_config
+from .config import validate as validate_config
+
+BASELINE = "hf-eager"
+MICRO_BATCH_CANDIDATES = (1, 2, 4, 8)
+# With --best-micro-batch and no --global-batch-size: the largest candidate, so that every candidate runs.
+BEST_MICRO_BATCH_GLOBAL_DEFAULT = 8
+# Optimizer settings shared by every system: litespark-train's defaults, constant LR so every step does the same.
+LR, WEIGHT_DECAY, BETAS, EPS, CLIP_GRAD = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
+_FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed")
+
+
+@dataclass(frozen=True)
+class System:
+    kind: str                   # "hf" or "megatron"
+    flags: Tuple[str, ...]      # litespark-train flags that select spec, backend and precision (megatron)
+    description: str
+    compile: bool = False       # hf: torch.compile the model
+    needs_te: bool = False
+
+
+SYSTEMS: Dict[str, System] = {
+    "hf-eager": System("hf", (), "HF transformers LlamaForCausalLM, SDPA attention, eager; torch AdamW (fused on "
+                                 "GPU), parameters, gradients and optimizer states in the parameter dtype"),
+    "hf-compile": System("hf", (), "as hf-eager, model under torch.compile (compilation falls in the warm-up "
+                                   "steps)", compile=True),
+    "litespark-bf16": System("megatron", ("--spec", "litespark", "--transformer-impl", "te"),
+                             "Litespark layers, Transformer Engine backend", needs_te=True),
+    "litespark-fp8": System("megatron", ("--spec", "litespark", "--transformer-impl", "te") + _FP8,
+                            "Litespark layers, Transformer Engine backend, FP8 hybrid with delayed scaling",
+                            needs_te=True),
+    "stock-te-bf16": System("megatron", ("--spec", "stock-te"), "Megatron-Core's own Transformer Engine layer spec",
+                            needs_te=True),
+    "stock-te-fp8": System("megatron", ("--spec", "stock-te") + _FP8,
+                           "Megatron-Core's own Transformer Engine layer spec, FP8 hybrid with delayed scaling",
+                           needs_te=True),
+    "litespark-local-bf16": System("megatron", ("--spec", "litespark", "--transformer-impl", "local"),
+                                   "Litespark layers, local backend (megatron-core linears, torch SDPA; no TE)"),
+}
+DEFAULT_SYSTEMS = ("hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16", "stock-te-fp8")
+MEGATRON_NOTE = ("megatron systems (GPU): bf16 parameters and compute with fp32 main parameters, fp32 gradient "
+                 "accumulation and fp32 Adam states (megatron-core's mixed-precision optimizer); every system clips "
+                 "gradients at 1.0")
+SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "vocab_size")
+
+
+# ============================================================================================ the parent (CLI)
+def build_parser():
+    from .metrics import _cli
+
+    p = _cli.OneLineParser(prog="benchmark", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma list of: {', '.join(SYSTEMS)}")
+    p.add_argument("--model", default="llama-3b", help="litespark-train preset")
+    p.add_argument("--seq-length", type=_cli.positive_int, default=4096)
+    p.add_argument("--micro-batch-size", type=_cli.positive_int, default=None, help="default 2")
+    p.add_argument("--global-batch-size", type=_cli.positive_int, default=None,
+                   help="sequences per optimizer step (default: one micro-batch; 8 with --best-micro-batch); more "
+                        "than a micro-batch is megatron micro-batching and HF gradient accumulation")
+    p.add_argument("--best-micro-batch", action="store_true",
+                   help=f"try micro-batches {', '.join(map(str, MICRO_BATCH_CANDIDATES))} (those dividing the global "
+                        "batch) for each system at the same tokens per step and keep the fastest that fits")
+    p.add_argument("--warmup", type=_cli.non_negative_int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=_cli.positive_int, default=10, help="timed steps")
+    p.add_argument("--peak-tflops", type=_cli.positive_float, default=None,
+                   help="dense BF16 TFLOP/s per GPU for MFU, instead of the peak table")
+    p.add_argument("--timeout", type=_cli.positive_int, default=600, help="seconds per worker process")
+    p.add_argument("--seed", type=_cli.non_negative_int, default=1234)
+    p.add_argument("--out", default=None, help="directory for benchmark.md, benchmark.json and logs/")
+    g = p.add_argument_group("model shape overrides (litespark-train names)")
+    for name in SHAPE_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=_cli.positive_int, default=None)
+    return p
+
+
+def parse_systems(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UserError("--systems is empty; name at least one of: " + ", ".join(SYSTEMS))
+    for n in names:
+        if n not in SYSTEMS:
+            raise UserError(f"unknown system '{n}' in --systems; choose from: {', '.join(SYSTEMS)}")
+    seen = set()
+    for n in names:
+        if n in seen:
+            raise UserError(f"system '{n}' is listed twice in --systems")
+        seen.add(n)
+    return names
+
+
+def base_flags(opts) -> List[str]:
+    """litespark-train flags common to every system (precision is added by the worker, which knows the device)."""
+    flags = ["--model", opts.model, "--seq-length", str(opts.seq_length), "--seed", str(opts.seed),
+             "--lr", str(LR), "--min-lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+             "--weight-decay", str(WEIGHT_DECAY), "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]),
+             "--adam-eps", str(EPS), "--clip-grad", str(CLIP_GRAD), "--eval-iters", "0",
+             "--train-iters", str(opts.warmup + opts.steps)]
+    for name in SHAPE_FLAGS:
+        value = getattr(opts, name)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def micro_batch_plan(opts) -> Tuple[int, List[int]]:
+    """(global batch, micro-batch sizes to try) after checking that they fit together."""
+    if opts.best_micro_batch:
+        if opts.micro_batch_size is not None:
+            raise UserError("--micro-batch-size and --best-micro-batch are exclusive: the latter tries micro-batches "
+                            + ", ".join(map(str, MICRO_BATCH_CANDIDATES)))
+        gbs = opts.global_batch_size or BEST_MICRO_BATCH_GLOBAL_DEFAULT
+        return gbs, [m for m in MICRO_BATCH_CANDIDATES if gbs % m == 0]
+    mbs = opts.micro_batch_size or 2
+    gbs = opts.global_batch_size or mbs
+    if gbs % mbs:
+        raise UserError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs}")
+    return gbs, [mbs]
+
+
+def check_shape(flags: List[str]):
+    """The resolved model (preset + overrides) checked the way litespark-train checks it; ConfigError if it cannot
+    exist. Uses the TE-free local backend, so it checks the shape, not this machine."""
+    args = resolve_config(flags + ["--spec", "litespark", "--transformer-impl", "local"])
+    validate_config(args, 1, cuda=False, te=False)
+    head_dim = args.hidden_size // args.num_attention_heads
+    if head_dim % 2:  # RoPE rotates pairs of channels; every system would fail on its first step
+        raise ConfigError(f"head dimension {head_dim} (--hidden-size {args.hidden_size} / --num-attention-heads "
+                          f"{args.num_attention_heads}) must be even for rotary embeddings")
+    return args
+
+
+def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
+    """Model FLOPs of one optimizer step, both attention conventions, for an output layer of `vocab` rows."""
+    from .metrics.flops import ModelShape, training_flops_per_step
+
+    shape = ModelShape.from_args(args, padded_vocab=vocab)
+    return {c: training_flops_per_step(shape, global_batch_size, causal=c).model_flops for c in ("full", "half")}
+
+
+def system_vocab(args, name: str) -> int:
+    """Rows of the output layer: megatron pads the vocabulary to --make-vocab-size-divisible-by (128); HF keeps the
+    preset's (the llama presets are already multiples of 128, so both are the same there)."""
+    if SYSTEMS[name].kind == "hf":
+        return args.vocab_size
+    return padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+
+
+def derive(raw: dict, flops: Dict[str, int], peak_tflops: Optional[float]) -> dict:
+    """Rates from a worker's raw measurement: steps, seconds and joules over the timed steps. Pure arithmetic."""
+    steps, seconds = raw["steps"], raw["seconds"]
+    tokens = raw["tokens_per_step"] * steps
+    out = dict(tokens_per_sec=tokens / seconds, step_time_s=seconds / steps,
+               tflops_per_gpu=flops["full"] * steps / seconds / 1e12,
+               tflops_per_gpu_causal=flops["half"] * steps / seconds / 1e12,
+               model_flops_per_step=flops["full"], model_flops_per_step_causal=flops["half"])
+    out["mfu"] = out["tflops_per_gpu"] / peak_tflops if peak_tflops else None
+    out["mfu_causal"] = out["tflops_per_gpu_causal"] / peak_tflops if peak_tflops else None
+    joules = raw.get("joules")
+    out["joules_per_token"] = joules / tokens if joules is not None else None
+    out["gpu_power_w"] = joules / raw["energy_seconds"] if joules is not None and raw.get("energy_seconds") else None
+    return out
+
+
+def ratios_vs_baseline(rows: Dict[str, dict], baseline: str = BASELINE) -> Dict[str, dict]:
+    """Per system: its tokens/s and J/token divided by the baseline's (None where either side is missing)."""
+    base = rows.get(baseline) or {}
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    return {name: dict(tokens_per_sec=ratio(r.get("tokens_per_sec"), base.get("tokens_per_sec")),
+                       joules_per_token=ratio(r.get("joules_per_token"), base.get("joules_per_token")))
+            for name, r in rows.items()}
+
+
+def _software_versions() -> Dict[str, Optional[str]]:
+    """Installed versions from package metadata (cheap: nothing is imported, no CUDA context in the parent)."""
+    from importlib import metadata
+
+    def version(*names):
+        for n in names:
+            try:
+                return metadata.version(n)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {"python": sys.version.split()[0], "torch": version("torch"),
+            "transformer_engine": version("transformer_engine", "transformer-engine", "transformer_engine_torch"),
+            "megatron_core": version("megatron-core", "megatron_core"), "transformers": version("transformers")}
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    # Each worker is its own single-process job: torchrun's variables from an outer launcher would make it wait
+    # for ranks that do not exist. platform.init_distributed fills in rank 0 of 1 and a free port.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    root = str(Path(__file__).resolve().parent.parent)  # so that `-m litespark_megatron.benchmark` imports from a
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)  # source checkout too
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_worker(name: str, flags: List[str], mbs: int, gbs: int, opts, log_dir: Path) -> dict:
+    """One system at one micro-batch size in a fresh process; its result dict (status ok/failed/oom/timeout)."""
+    stem = f"{name}-mb{mbs}"
+    result_path, log_path = log_dir / f"{stem}.json", log_dir / f"{stem}.log"
+    spec = dict(system=name, flags=flags + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
+                warmup=opts.warmup, steps=opts.steps)
+    cmd = [sys.executable, "-m", "litespark_megatron.benchmark", "--worker", json.dumps(spec), str(result_path)]
+    result_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        # A session of its own, so that a timeout ends the worker together with what it started (torch.compile's
+        # compile workers), by process group.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=opts.timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return dict(system=name, micro_batch_size=mbs, status="timeout", log=str(log_path),
+                        reason=f"no result within --timeout {opts.timeout} s", wall_s=time.monotonic() - t0)
+        except BaseException:  # Ctrl-C: do not leave a GPU job running behind us
+            _kill_group(proc)
+            raise
+        _kill_group(proc)  # helpers the worker left behind (it skips teardown): none may hold the GPU for the next
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        result_path.unlink()  # every number of it goes into benchmark.json; the log stays
+    else:  # killed (host OOM killer, a signal) or crashed in native code before it could write
+        result = dict(system=name, status="failed", reason=f"worker exited with status {rc}: {_last_line(log_path)}")
+    result.update(micro_batch_size=mbs, log=str(log_path), wall_s=time.monotonic() - t0)
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def choose(tries: List[dict]) -> dict:
+    """The fastest successful try; without one, the first failure (which says why)."""
+    ok = [t for t in tries if t["status"] == "ok"]
+    if ok:
+        return max(ok, key=lambda t: t["tokens_per_step"] * t["steps"] / t["seconds"])
+    return tries[0]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        opts = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or one-line error (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        systems = parse_systems(opts.systems)
+        gbs, candidates = micro_batch_plan(opts)
+        flags = base_flags(opts)
+        args = check_shape(flags)
+        out = Path(opts.out) if opts.out else None
+        if out is not None:
+            if out.exists() and not out.is_dir():
+                raise UserError(f"--out {out}: exists and is not a directory")
+            try:
+                (out / "logs").mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
+    except UserError as e:
+        print(f"benchmark: error: {e}", file=sys.stderr)
+        return 2
+    command = "python tools/benchmark.py " + shlex.join(argv)
+
+    def write(report: dict) -> str:
+        text = render_markdown(report)
+        if out is not None:
+            (out / "benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
+            (out / "benchmark.md").write_text(text)
+        return text
+
+    with contextlib.ExitStack() as stack:
+        log_dir = out / "logs" if out is not None else Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="litespark-benchmark-")))
+        report = run_all(systems, flags, gbs, candidates, opts, args, log_dir, command, on_progress=write)
+    print(write(report), end="", flush=True)
+    return 0 if all(r["status"] == "ok" for r in report["systems"]) else 1
+
+
+def run_all(systems, flags, gbs, candidates, opts, args, log_dir: Path, command: str,
+            on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run every system (each micro-batch candidate in turn) and return the report; `on_progress` gets the report
+    so far after each system, so that a run cut short still leaves the finished systems on disk."""
+    rows = []
+    for i, name in enumerate(systems, 1):
+        tries = []
+        for mbs in candidates:
+            r = run_worker(name, flags, mbs, gbs, opts, log_dir)
+            tries.append(r)
+            what = f"[{i}/{len(systems)}] {name} micro-batch {mbs} x {gbs // mbs}"
+            if r["status"] == "ok":
+                print(f"{what}: {r['tokens_per_step'] * r['steps'] / r['seconds']:,.0f} tokens/s "
+                      f"({r['wall_s']:.0f} s)", flush=True)
+            else:
+                print(f"{what}: {r['status']}: {r['reason']} ({r['wall_s']:.0f} s)", flush=True)
+                # Ascending micro-batches: after an OOM larger ones cannot fit, and any other failure (no TE, no
+                # FP8, import error) does not depend on the micro-batch.
+                break
+        rows.append(dict(system=name, tries=tries, chosen=choose(tries)))
+        if on_progress is not None and i < len(systems):
+            on_progress(build_report(rows, systems, gbs, candidates, opts, args, command))
+    return build_report(rows, systems, gbs, candidates, opts, args, command)
+
+
+def build_report(rows: List[dict], systems: List[str], gbs: int, candidates: List[int], opts, args,
+                 command: str) -> dict:
+    """The report (benchmark.json) from the workers' results: rates, MFU and ratios derived here."""
+    device = next((t["device"] for row in rows for t in row["tries"] if t.get("device")), None)
+    on_gpu = bool(device and device.get("type") == "cuda")
+    peak, peak_note = _peak(device, opts.peak_tflops, on_gpu)
+    peak_tflops = peak["tflops"] if peak else None
+    flops = {name: flops_per_step(args, gbs, system_vocab(args, name)) for name in systems}
+    results = {}
+    for row in rows:
+        name, c = row["system"], row["chosen"]
+        entry = dict(system=name, description=SYSTEMS[name].description, status=c["status"],
+                     reason=c.get("reason"), micro_batch_size=c["micro_batch_size"], global_batch_size=gbs,
+                     accumulation_steps=gbs // c["micro_batch_size"], vocab_rows=system_vocab(args, name),
+                     tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]])
+        if c["status"] == "ok":
+            entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
+                                                  "joules", "energy_seconds", "energy_note", "peak_mem_gib",
+                                                  "peak_mem_timed_gib", "loss_first", "loss_last", "params",
+                                                  "skipped_steps", "notes")})
+            entry.update(derive(c, flops[name], peak_tflops))
+        results[name] = entry
+    for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
+        results[name]["vs_" + BASELINE.replace("-", "_")] = ratio
+    vocab_note = None
+    padded = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+    if args.vocab_size != padded:
+        vocab_note = (f"megatron pads the vocabulary {args.vocab_size} to {padded} rows (a multiple of "
+                      f"{args.make_vocab_size_divisible_by}), HF keeps {args.vocab_size}: the FLOPs of each system "
+                      "count its own output layer")
+    return dict(
+        command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        device=device, software=_software_versions(), peak=peak, peak_note=peak_note,
+        settings=dict(model=opts.model, seq_length=args.seq_length, global_batch_size=gbs,
+                      tokens_per_step=gbs * args.seq_length, micro_batch_candidates=candidates,
+                      best_micro_batch=opts.best_micro_batch, warmup=opts.warmup, steps=opts.steps, seed=opts.seed,
+                      timeout_s=opts.timeout, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+                      num_query_groups=args.num_query_groups, vocab_size=args.vocab_size,
+                      rotary_base=args.rotary_base,
+                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights),
+        flops_per_step=flops, vocab_note=vocab_note, baseline=BASELINE,
+        pending=[n for n in systems if n not in results], systems=list(results.values()))
+
+
+def _peak(device: Optional[dict], override: Optional[float], on_gpu: bool):
+    from .metrics.peaks import PeakError, detect_peak
+
+    if not on_gpu and override is None:
+        return None, "MFU n/a: CPU run (no tensor-core peak; --peak-tflops sets one)"
+    try:
+        return detect_peak(device["name"] if on_gpu else None, "bf16", override).as_dict(), None
+    except PeakError as e:
+        return None, f"MFU n/a: {e}"
+
+
+# ============================================================================================ the report
+def _fmt(v, spec: str, suffix: str = "") -> str:
+    return "n/a" if v is None else format(v, spec) + suffix
+
+
+def _tflops(v: float) -> str:
+    # One decimal is right for GPUs; CPU runs are far below 1 TFLOP/s and would all print as 0.0.
+    return f"{v:.1f}" if v >= 10 else f"{v:.3g}"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def render_markdown(report: dict) -> str:
+    s, dev, sw = report["settings"], report["device"], report["software"]
+    if dev and dev.get("type") == "cuda":
+        device = (f"{dev['name']} (1 of {dev['count']} visible; compute capability {dev['capability']}), "
+                  f"CUDA {dev.get('cuda')}, cuDNN {dev.get('cudnn')}, driver {dev.get('driver') or 'n/a'}")
+    elif dev:
+        device = (f"CPU ({dev.get('name')}, {dev.get('threads')} threads): every system in fp32 (no bf16 tensor "
+                  "cores to measure); GPU memory, power and energy n/a")
+    else:
+        device = "unknown (no worker reached the point of reporting it)"
+    lines = [
+        f"# Training throughput: {s['model']}, seq {s['seq_length']}, {s['global_batch_size']} sequences "
+        f"({s['tokens_per_step']:,} tokens) per step",
+        "",
+        f"- date: {report['date']}",
+        f"- device: {device}",
+        f"- software: torch {sw['torch']}, Transformer Engine {sw['transformer_engine'] or 'not installed'}, "
+        f"megatron-core {sw['megatron_core'] or 'not installed'}, "
+        f"transformers {sw['transformers'] or 'not installed'}, Python {sw['python']}",
+        f"- command: `{report['command']}`",
+        f"- shape: {s['num_layers']} layers, hidden {s['hidden_size']}, FFN {s['ffn_hidden_size']}, "
+        f"{s['num_attention_heads']} heads / {s['num_query_groups']} KV heads, vocab {s['vocab_size']}, "
+        f"RoPE base {s['rotary_base']}, {'untied' if s['untie_embeddings_and_output_weights'] else 'tied'} embeddings",
+        f"- each system in a fresh process: {_count(s['warmup'], 'warm-up step')}, then "
+        f"{_count(s['steps'], 'timed step')} (wall time, "
+        "CUDA-synchronized after each step), synthetic random tokens, constant LR",
+        "- TFLOP/s: model FLOPs (3 x forward GEMMs, logits included) with attention counted in full (NeMo tables) / "
+        "causal-halved (Megatron-LM); docs/metrics.md",
+    ]
+    peak = report["peak"]
+    if peak:
+        basis = "--peak-tflops" if peak["mfu_basis"] == "override" else f"dense BF16 of {peak['device']}, datasheet"
+        lines.append(f"- MFU: against {peak['tflops']} TFLOP/s ({basis}), FP8 systems too")
+    else:
+        lines.append(f"- {report['peak_note']}")
+    lines.append("- power and J/token: NVML total-energy counter of the GPU over the timed steps only")
+    if report.get("pending"):
+        lines.append(f"- PARTIAL: still to run: {', '.join(report['pending'])}")
+    if report["vocab_note"]:
+        lines.append(f"- {report['vocab_note']}")
+    lines += ["", "| system | precision | micro-batch x accum. | tokens/s | vs HF eager | TFLOP/s/GPU full / causal "
+                  "| MFU full / causal | peak mem GiB | W | J/token | J/token vs HF eager | loss first -> last |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratio_key = "vs_" + BASELINE.replace("-", "_")
+    for r in report["systems"]:
+        if r["status"] != "ok":
+            reason = str(r["reason"]).replace("|", "\\|")  # a pipe in an error message would split the cell
+            lines.append(f"| {r['system']} | {r['status']}: {reason} |" + " |" * 10)
+            continue
+        ratio = r.get(ratio_key) or {}
+        lines.append(
+            f"| {r['system']} | {r['precision']} | {r['micro_batch_size']} x {r['accumulation_steps']} | "
+            f"{r['tokens_per_sec']:,.0f} | {_fmt(ratio.get('tokens_per_sec'), '.2f', 'x')} | "
+            f"{_tflops(r['tflops_per_gpu'])} / {_tflops(r['tflops_per_gpu_causal'])} | "
+            f"{_fmt(r['mfu'], '.1%')} / {_fmt(r['mfu_causal'], '.1%')} | {_fmt(r['peak_mem_gib'], '.1f')} | "
+            f"{_fmt(r['gpu_power_w'], '.0f')} | {_fmt(r['joules_per_token'], '.4f')} | "
+            f"{_fmt(ratio.get('joules_per_token'), '.2f', 'x')} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    lines += ["", "Systems:", ""]
+    for r in report["systems"]:
+        lines.append(f"- `{r['system']}`: {r['description']}")
+    if any(r["status"] == "ok" and SYSTEMS[r["system"]].kind == "megatron" for r in report["systems"]) \
+            and dev and dev.get("type") == "cuda":
+        lines.append(f"- {MEGATRON_NOTE}")
+    notes = []
+    for r in report["systems"]:
+        for note in r.get("notes") or []:
+            notes.append(f"- `{r['system']}`: {note}")
+        if r.get("energy_note"):
+            notes.append(f"- `{r['system']}`: {r['energy_note']}")
+        if s["best_micro_batch"] and len(r["tries"]) > 0:
+            tried = ", ".join(
+                f"{t['micro_batch_size']}: " + (f"{t['tokens_per_step'] * t['steps'] / t['seconds']:,.0f} tokens/s"
+                                               if t["status"] == "ok" else t["status"])
+                for t in r["tries"])
+            notes.append(f"- `{r['system']}` micro-batches tried: {tried}")
+    if notes:
+        lines += ["", "Notes:", ""] + notes
+    return "\n".join(lines) + "\n"
+
+
+# ============================================================================================ the worker
+def measure(step_fn: Callable[[], float], tokens_per_step: int, warmup: int, steps: int, cuda: bool) -> dict:
+    """Run `warmup` untimed steps, then `steps` timed ones; wall time with a CUDA synchronize after every step
+    (so each step's time is its own), NVML energy over the timed steps only. `step_fn` returns the step's loss."""
+    import torch
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    losses = [step_fn() for _ in range(warmup)]
+    sync()
+    peak_warmup = torch.cuda.max_memory_allocated() if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    meter, energy_note = None, None
+    if cuda:
+        from .metrics.energy import EnergyMeter
+
+        meter = EnergyMeter()
+        if not meter.start():
+            energy_note, meter = f"GPU energy not measured: {meter.reason}", None
+    step_times = []
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step_fn())
+        sync()
+        step_times.append(time.perf_counter() - t0)
+    seconds = time.perf_counter() - t_start
+    joules = energy_seconds = None
+    if meter is not None:
+        reading = meter.lap()
+        if reading is None:
+            energy_note = f"GPU energy not measured: {meter.last_reason}"
+        else:
+            joules, energy_seconds = reading.joules, reading.seconds
+        meter.close()
+    out = dict(steps=steps, seconds=seconds, tokens_per_step=tokens_per_step, step_times_s=step_times,
+               joules=joules, energy_seconds=energy_seconds, energy_note=energy_note,
+               loss_first=losses[0], loss_last=losses[-1], peak_mem_gib=None, peak_mem_timed_gib=None)
+    if cuda:
+        timed = torch.cuda.max_memory_allocated()
+        out.update(peak_mem_gib=max(timed, peak_warmup) / 2**30, peak_mem_timed_gib=timed / 2**30)
+    return out
+
+
+def token_batches(count: int, global_batch_size: int, seq_length: int, vocab_size: int, seed: int):
+    """`count` global batches of (global_batch_size, seq_length + 1) random tokens, made before timing starts,
+    on the CPU (as a data loader hands them over), the same for every system."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (global_batch_size, seq_length + 1), generator=g) for _ in range(count)]
+
+
+def hf_config_kwargs(args) -> dict:
+    """LlamaConfig keywords for the resolved litespark shape (same layers, widths, heads, vocab, RoPE base)."""
+    return dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
+                num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                num_key_value_heads=args.num_query_groups, head_dim=args.hidden_size // args.num_attention_heads,
+                hidden_act="silu", max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
+                rms_norm_eps=args.norm_epsilon, initializer_range=args.init_method_std,
+                tie_word_embeddings=not args.untie_embeddings_and_output_weights, attention_bias=False,
+                mlp_bias=False, attention_dropout=args.attention_dropout, use_cache=False)
+
+
+def _build_hf(args, cuda: bool, device):
+    import torch
+
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise UserError(f"the HF systems need HuggingFace transformers, not importable here ({e}): "
+                        "pip install transformers") from None
+    import inspect
+
+    kwargs = hf_config_kwargs(args)
+    # transformers 5 takes RoPE settings as rope_parameters; 4.x as rope_theta.
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    else:
+        kwargs["rope_theta"] = float(args.rotary_base)
+    config = LlamaConfig(attn_implementation="sdpa", **kwargs)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(args.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        # Built and initialized directly on the GPU in its dtype: a 3B model built on the CPU in fp32 first would
+        # take 14 GB of host memory and a slow CPU init.
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    theta = (getattr(model.config, "rope_parameters", None) or {}).get("rope_theta",
+                                                                       getattr(model.config, "rope_theta", None))
+    attn = getattr(model.config, "_attn_implementation", None)
+    wrong = [f"{p.dtype}/{p.device}" for p in model.parameters() if p.dtype != dtype or p.device.type != device.type]
+    if float(theta) != float(args.rotary_base) or attn != "sdpa" or wrong:
+        raise RuntimeError(f"HF model not as configured: rope_theta {theta}, attention {attn}, "
+                           f"parameters {sorted(set(wrong))[:3]}")
+    return model
+
+
+def run_hf(args, system: System, cuda: bool, warmup: int, steps: int) -> dict:
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model = _build_hf(args, cuda, device)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay, as megatron's default
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS,
+                                  **({"fused": True} if cuda else {}))
+    forward = torch.compile(model) if system.compile else model
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    accumulation = gbs // mbs
+    batches = token_batches(warmup + steps, gbs, args.seq_length, args.vocab_size, args.seed)
+    it = iter(batches)
+
+    def step() -> float:
+        tokens = next(it).to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for k in range(accumulation):
+            # seq_length input tokens, as the megatron systems take; HF shifts labels inside (seq_length - 1 loss
+            # positions, the same GEMMs).
+            x = tokens[k * mbs:(k + 1) * mbs, :-1]
+            loss = forward(input_ids=x, labels=x).loss / accumulation
+            loss.backward()
+            total += loss.detach().float()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        optimizer.step()
+        return float(total)
+
+    result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
+    result.update(params=params, skipped_steps=0, notes=[],
+                  precision="bf16 (params, grads, AdamW states)" if cuda else "fp32 (CPU run)")
+    return result
+
+
+def _micro_batches(tokens, micro_batch_size: int):
+    seq = tokens.size(1) - 1
+    import torch
+
+    for start in range(0, tokens.size(0), micro_batch_size):
+        mb = tokens[start:start + micro_batch_size]
+        yield dict(tokens=mb[:, :-1].contiguous(), labels=mb[:, 1:].contiguous(),
+                   loss_mask=torch.ones(mb.size(0), seq), position_ids=torch.arange(seq).expand(mb.size(0), seq))
+
+
+def run_megatron(flags: List[str], system: System, warmup: int, steps: int) -> dict:
+    from . import config as config_lib
+    from . import model as model_lib
+    from . import platform
+    from .training import optim
+    from .training import step as step_lib
+
+    platform.quiet_library_noise()
+    plat = platform.detect()
+    cuda = plat.device_type == "cuda"
+    args = config_lib.resolve(flags + list(system.flags) + (["--bf16"] if cuda else []))
+    try:
+        config_lib.validate(args, 1, cuda=cuda, te=plat.te, fp8_capable=plat.fp8_capable)
+    except ConfigError as e:
+        if system.needs_te and cuda and not plat.te:
+            raise ConfigError(f"{e} [{_te_import_error()}]") from None
+        raise
+    platform.init_distributed(args, plat)
+    backend = config_lib.resolved_backend(args, cuda=cuda, te=plat.te)
+    tconfig = model_lib.transformer_config(args, backend, plat.device_type)
+    chunks = model_lib.build_model(args, tconfig, backend, args.vocab_size)
+    model = optim.wrap_model(args, tconfig, chunks)
+    optimizer = optim.build_optimizer(args, model)
+    scheduler = optim.build_scheduler(args, optimizer)
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    batches = iter(token_batches(warmup + steps, gbs, args.seq_length, args.vocab_size, args.seed))
+    skipped = []
+
+    def step() -> float:
+        tokens = next(batches)
+        iters = [_micro_batches(tokens, mbs) for _ in model]
+        r = step_lib.train_step(model, optimizer, scheduler, iters, gbs // mbs, args)
+        skipped.append(r.skipped)
+        return r.loss
+
+    result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
+    precision = ("fp8 hybrid, delayed scaling + bf16, fp32 main params" if args.fp8_format
+                 else "bf16, fp32 main params") if cuda else "fp32 (CPU run)"
+    notes = []
+    n_skipped = sum(skipped[warmup:])
+    if n_skipped:
+        notes.append(f"{n_skipped} timed step(s) skipped the update (inf/nan gradients): less work than a full step")
+    result.update(params=params, skipped_steps=n_skipped, precision=precision, notes=notes, backend=backend,
+                  spec=args.spec)
+    return result
+
+
+def _te_import_error() -> str:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # what platform.te_importable() swallowed: the reason TE is unusable here
+        return f"importing transformer_engine.pytorch: {type(e).__name__}: {_one_line(str(e))}"
+    return "transformer_engine.pytorch imports in this process"
+
+
+def _runtime_device() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        import platform as pyplatform
+
+        return dict(type="cpu", name=pyplatform.processor() or pyplatform.machine(), threads=torch.get_num_threads())
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    driver = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        pynvml.nvmlShutdown()
+    except Exception:  # the driver version is informative only; NVML's absence is reported by the energy column
+        pass
+    return dict(type="cuda", name=torch.cuda.get_device_name(index), count=torch.cuda.device_count(),
+                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=_cudnn_version(),
+                driver=driver, memory_gib=torch.cuda.get_device_properties(index).total_memory / 2**30)
+
+
+def _cudnn_version() -> Optional[str]:
+    import torch
+
+    v = torch.backends.cudnn.version()
+    if not v:
+        return None
+    # cuDNN 9 encodes major*10000 + minor*100 + patch (91400 = 9.14.0); cuDNN 8 major*1000 + minor*100 + patch.
+    major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:300]
+
+
+def classify_failure(e: BaseException) -> Tuple[str, str]:
+    """(status, one-line reason) of an exception raised while running a system."""
+    try:
+        import torch
+
+        oom_types = (torch.cuda.OutOfMemoryError,)
+    except ImportError:
+        oom_types = ()
+    text = _one_line(str(e))
+    # cuBLAS/cuDNN report an exhausted GPU as *_STATUS_ALLOC_FAILED rather than torch's OutOfMemoryError.
+    if isinstance(e, oom_types) or any(m in str(e).lower() for m in ("out of memory", "alloc_failed")):
+        return "oom", f"out of memory: {text}"
+    if isinstance(e, UserError):
+        return "failed", text
+    if isinstance(e, ImportError):
+        return "failed", f"import error: {text}"
+    return "failed", f"{type(e).__name__}: {text}"
+
+
+def worker_main(spec_json: str, result_path: str) -> None:
+    spec = json.loads(spec_json)
+    name = spec["system"]
+    system = SYSTEMS[name]
+    result = dict(system=name, status="failed", reason=None)
+    try:
+        result["device"] = _runtime_device()
+        if system.kind == "hf":
+            import torch
+
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(0)
+            args = resolve_config(spec["flags"] + (["--bf16"] if cuda else []))
+            args.global_batch_size = args.global_batch_size or args.micro_batch_size
+            result.update(run_hf(args, system, cuda, spec["warmup"], spec["steps"]))
+        else:
+            result.update(run_megatron(spec["flags"], system, spec["warmup"], spec["steps"]))
+        result["status"] = "ok"
+    except BaseException as e:  # every failure becomes a result line; the traceback goes to the worker's log
+        traceback.print_exc()
+        result["status"], result["reason"] = classify_failure(e)
+        with contextlib.suppress(Exception):
+            import torch
+
+            if torch.cuda.is_available():
+                result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is written; skip interpreter teardown (NCCL communicators, TE and torch.compile worker pools),
+    # which can block after a failure and would then cost the whole --timeout.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    sys.exit(main())

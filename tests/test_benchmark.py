@@ -1,0 +1,312 @@
+"""tools/benchmark.py: CPU end-to-end runs (fresh worker processes, fp32), the report's fields, the ratio and rate
+arithmetic, failing systems reported while the others complete, micro-batch selection, and bad input (exit 2)."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from litespark_megatron import benchmark
+from litespark_megatron.config import resolve
+from litespark_megatron.metrics.flops import ModelShape, training_flops_per_step
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+TINY = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2", "--steps", "2", "--warmup", "1"]
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("tool_benchmark", ROOT / "tools" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_flops(seq: int, gbs: int, causal: str) -> int:
+    # The tiny preset written out, independently of the resolver the tool uses.
+    shape = ModelShape(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
+                       vocab_size=4096, seq_length=seq)
+    return training_flops_per_step(shape, gbs, causal=causal).model_flops
+
+
+def check_ok_row(row, seq: int, gbs: int):
+    assert row["status"] == "ok", row
+    assert row["precision"] == "fp32 (CPU run)"
+    assert row["tokens_per_step"] == gbs * seq and row["steps"] == 2 and len(row["step_times_s"]) == 2
+    assert row["seconds"] == pytest.approx(sum(row["step_times_s"]), rel=0.05)
+    assert row["tokens_per_sec"] == pytest.approx(gbs * seq * 2 / row["seconds"])
+    assert row["model_flops_per_step"] == tiny_flops(seq, gbs, "full")
+    assert row["model_flops_per_step_causal"] == tiny_flops(seq, gbs, "half")
+    assert row["tflops_per_gpu"] == pytest.approx(tiny_flops(seq, gbs, "full") * 2 / row["seconds"] / 1e12)
+    # GPU-only measurements are absent on the CPU, never filled in.
+    for key in ("mfu", "mfu_causal", "peak_mem_gib", "gpu_power_w", "joules_per_token"):
+        assert row[key] is None, key
+    assert row["params"] == 1_787_008  # tiny preset, docs/metrics.md
+    # Random tokens over a 4096 vocabulary: a fresh model's loss is close to ln(4096) = 8.318.
+    assert abs(row["loss_first"] - math.log(4096)) < 0.3 and math.isfinite(row["loss_last"])
+
+
+def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = load_tool().main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 1  # one system failed; the run itself completed
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = {r["system"]: r for r in report["systems"]}
+    check_ok_row(rows["litespark-local-bf16"], 64, 2)
+    failed = rows["stock-te-bf16"]
+    assert failed["status"] == "failed" and "needs Transformer Engine" in failed["reason"]
+    assert "\n" not in failed["reason"]
+    # No baseline in this run: the ratios say n/a rather than inventing one.
+    assert rows["litespark-local-bf16"]["vs_hf_eager"] == {"tokens_per_sec": None, "joules_per_token": None}
+    assert report["device"]["type"] == "cpu" and report["peak"] is None and "CPU" in report["peak_note"]
+    assert report["software"]["megatron_core"] == "0.16.1"
+    assert report["settings"]["tokens_per_step"] == 128 and report["settings"]["global_batch_size"] == 2
+    assert report["command"].startswith("python tools/benchmark.py --model tiny")
+    md = (out / "benchmark.md").read_text()
+    assert printed.endswith(md)  # the table is printed last
+    assert "| litespark-local-bf16 | fp32 (CPU run) | 2 x 1 |" in md
+    assert "| stock-te-bf16 | failed: --spec stock-te needs Transformer Engine" in md
+    assert "--systems litespark-local-bf16,stock-te-bf16" in md and "megatron-core 0.16.1" in md
+    for line in md.splitlines():
+        if line.startswith("| "):
+            assert line.count("|") == 13, line  # 12 columns in every row, failed ones too
+    # One log per worker; the workers' result files are merged into benchmark.json and removed.
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["litespark-local-bf16-mb2.log",
+                                                                 "stock-te-bf16-mb2.log"]
+    assert "needs Transformer Engine" in (out / "logs" / "stock-te-bf16-mb2.log").read_text()
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="hf-eager needs HuggingFace transformers (pip install "
+                                                  "transformers), which is not a dependency of the package")
+def test_cpu_hf_eager_baseline_and_ratios(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = benchmark.main(TINY + ["--global-batch-size", "4", "--systems", "hf-eager,litespark-local-bf16",
+                                "--out", str(out)])
+    capsys.readouterr()
+    assert rc == 0
+    rows = {r["system"]: r for r in json.loads((out / "benchmark.json").read_text())["systems"]}
+    for row in rows.values():
+        check_ok_row(row, 64, 4)
+        assert row["micro_batch_size"] == 2 and row["accumulation_steps"] == 2  # HF accumulates, megatron micro-batches
+    hf, ls = rows["hf-eager"], rows["litespark-local-bf16"]
+    assert hf["vs_hf_eager"]["tokens_per_sec"] == pytest.approx(1.0)
+    assert ls["vs_hf_eager"]["tokens_per_sec"] == pytest.approx(ls["tokens_per_sec"] / hf["tokens_per_sec"])
+    assert ls["vs_hf_eager"]["joules_per_token"] is None  # no energy counter on the CPU
+
+
+def test_rates_and_ratios_arithmetic():
+    # Made-up numbers: this is arithmetic, checked against values worked out by hand.
+    raw = dict(steps=10, seconds=4.0, tokens_per_step=8192, joules=20480.0, energy_seconds=4.096)
+    d = benchmark.derive(raw, {"full": 2 * 10**14, "half": 10**14}, peak_tflops=1000.0)
+    assert d["tokens_per_sec"] == pytest.approx(20480.0)        # 81920 tokens / 4 s
+    assert d["step_time_s"] == pytest.approx(0.4)
+    assert d["tflops_per_gpu"] == pytest.approx(500.0)          # 2e15 FLOPs / 4 s
+    assert d["tflops_per_gpu_causal"] == pytest.approx(250.0)
+    assert d["mfu"] == pytest.approx(0.5) and d["mfu_causal"] == pytest.approx(0.25)
+    assert d["joules_per_token"] == pytest.approx(0.25)         # 20480 J / 81920 tokens
+    assert d["gpu_power_w"] == pytest.approx(5000.0)            # 20480 J / 4.096 s
+    none = benchmark.derive(dict(raw, joules=None, energy_seconds=None), {"full": 1, "half": 1}, None)
+    assert none["mfu"] is None and none["joules_per_token"] is None and none["gpu_power_w"] is None
+
+    rows = {"hf-eager": dict(tokens_per_sec=1000.0, joules_per_token=0.05),
+            "litespark-bf16": dict(tokens_per_sec=2500.0, joules_per_token=0.02),
+            "cpu-like": dict(tokens_per_sec=10.0, joules_per_token=None)}
+    r = benchmark.ratios_vs_baseline(rows)
+    assert r["hf-eager"] == {"tokens_per_sec": 1.0, "joules_per_token": 1.0}
+    assert r["litespark-bf16"]["tokens_per_sec"] == pytest.approx(2.5)
+    assert r["litespark-bf16"]["joules_per_token"] == pytest.approx(0.4)
+    assert r["cpu-like"] == {"tokens_per_sec": pytest.approx(0.01), "joules_per_token": None}
+    assert benchmark.ratios_vs_baseline({"x": rows["litespark-bf16"]})["x"] == {"tokens_per_sec": None,
+                                                                                 "joules_per_token": None}
+
+
+def test_best_micro_batch_keeps_the_fastest_that_fits_and_stops_at_oom(monkeypatch, tmp_path):
+    speeds = {1: 1.0, 2: 0.8}  # seconds for 2 steps of 512 tokens: micro-batch 2 is fastest; 4 runs out of memory
+    calls = []
+
+    def fake_worker(name, flags, mbs, gbs, opts, log_dir):
+        calls.append(mbs)
+        if mbs in speeds:
+            return dict(system=name, micro_batch_size=mbs, status="ok", steps=2, seconds=speeds[mbs],
+                        tokens_per_step=gbs * 64, step_times_s=[speeds[mbs] / 2] * 2, precision="fp32 (CPU run)",
+                        joules=None, energy_seconds=None, loss_first=8.3, loss_last=8.3, wall_s=1.0,
+                        device={"type": "cpu", "name": "x86_64", "threads": 2})
+        return dict(system=name, micro_batch_size=mbs, status="oom", reason="out of memory: CUDA out of memory",
+                    wall_s=1.0)
+
+    monkeypatch.setattr(benchmark, "run_worker", fake_worker)
+    opts = benchmark.build_parser().parse_args(["--model", "tiny", "--seq-length", "64", "--best-micro-batch"])
+    gbs, candidates = benchmark.micro_batch_plan(opts)
+    assert (gbs, candidates) == (8, [1, 2, 4, 8])
+    flags = benchmark.base_flags(opts)
+    progress = []
+    report = benchmark.run_all(["litespark-local-bf16", "hf-eager"], flags, gbs, candidates, opts,
+                               benchmark.check_shape(flags), tmp_path, "cmd", on_progress=progress.append)
+    assert calls == [1, 2, 4, 1, 2, 4]  # 8 is not tried once 4 ran out of memory
+    row = report["systems"][0]
+    assert row["status"] == "ok" and row["micro_batch_size"] == 2 and row["accumulation_steps"] == 4
+    assert [t["status"] for t in row["tries"]] == ["ok", "ok", "oom"]
+    assert row["tokens_per_sec"] == pytest.approx(1280.0) and report["pending"] == []
+    md = benchmark.render_markdown(report)
+    assert "micro-batches tried: 1: 1,024 tokens/s, 2: 1,280 tokens/s, 4: oom" in md and "PARTIAL" not in md
+    # After the first system the report so far is handed over (and written with --out), marked as partial.
+    assert len(progress) == 1 and progress[0]["pending"] == ["hf-eager"]
+    assert [r["system"] for r in progress[0]["systems"]] == ["litespark-local-bf16"]
+    assert "- PARTIAL: still to run: hf-eager" in benchmark.render_markdown(progress[0])
+
+
+def test_worker_timeout_is_reported(tmp_path, capsys):
+    rc = benchmark.main(TINY + ["--systems", "litespark-local-bf16", "--timeout", "1", "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert rc == 1
+    row = json.loads((tmp_path / "benchmark.json").read_text())["systems"][0]
+    assert row["status"] == "timeout" and row["reason"] == "no result within --timeout 1 s"
+    assert row["tries"][0]["wall_s"] < 30
+
+
+def test_failure_classification():
+    import torch
+
+    assert benchmark.classify_failure(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore"))\
+        == ("oom", "out of memory: CUDA out of memory. Tried to allocate 2 GiB")
+    assert benchmark.classify_failure(benchmark.UserError("needs X")) == ("failed", "needs X")
+    assert benchmark.classify_failure(ModuleNotFoundError("No module named 'transformer_engine'")) == \
+        ("failed", "import error: No module named 'transformer_engine'")
+    assert benchmark.classify_failure(ValueError("bad\nshape")) == ("failed", "ValueError: bad")
+
+
+def test_hf_config_has_the_preset_shape():
+    args = resolve(["--model", "llama-3b"])
+    kw = benchmark.hf_config_kwargs(args)
+    assert (kw["num_hidden_layers"], kw["hidden_size"], kw["intermediate_size"], kw["num_attention_heads"],
+            kw["num_key_value_heads"], kw["vocab_size"], kw["head_dim"]) == (28, 3072, 8192, 24, 8, 128256, 128)
+    assert kw["tie_word_embeddings"] is False and kw["use_cache"] is False and kw["rms_norm_eps"] == 1e-5
+    assert benchmark.system_vocab(args, "hf-eager") == benchmark.system_vocab(args, "litespark-bf16") == 128256
+    odd = resolve(["--model", "tiny", "--vocab-size", "1000"])
+    assert (benchmark.system_vocab(odd, "hf-eager"), benchmark.system_vocab(odd, "stock-te-fp8")) == (1000, 1024)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--systems", "hf-eager,nope"], "unknown system 'nope' in --systems; choose from: hf-eager, hf-compile"),
+    (["--systems", "hf-eager,hf-eager"], "system 'hf-eager' is listed twice"),
+    (["--systems", " , "], "--systems is empty"),
+    (["--micro-batch-size", "4", "--global-batch-size", "6"], "--global-batch-size 6 is not a multiple of"),
+    (["--best-micro-batch", "--micro-batch-size", "2"], "--micro-batch-size and --best-micro-batch are exclusive"),
+    (["--model", "llama-7b"], "unknown model preset 'llama-7b'"),
+    (["--model", "tiny", "--hidden-size", "130"], "--hidden-size 130 is not divisible by --num-attention-heads 4"),
+    (["--model", "tiny", "--hidden-size", "100"], "head dimension 25 (--hidden-size 100 / --num-attention-heads 4) "
+                                                  "must be even"),
+    (["--steps", "0"], "argument --steps: a positive integer expected"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert benchmark.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("benchmark: error: ") and message in lines[0], captured.err
+
+
+def test_parser_defaults_match_the_documented_run():
+    opts = benchmark.build_parser().parse_args([])
+    assert (opts.model, opts.seq_length, opts.warmup, opts.steps, opts.timeout) == ("llama-3b", 4096, 3, 10, 600)
+    assert benchmark.parse_systems(opts.systems) == ["hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16",
+                                                     "stock-te-fp8"]
+    assert benchmark.micro_batch_plan(opts) == (2, [2])
+    assert benchmark.micro_batch_plan(SimpleNamespace(best_micro_batch=True, micro_batch_size=None,
+                                                      global_batch_size=12)) == (12, [1, 2, 4])
+
+
+H200 = {"type": "cuda", "name": "NVIDIA H200", "count": 1, "capability": "9.0", "cuda": "13.0", "cudnn": "9.14.0",
+        "driver": "580.159.04", "memory_gib": 139.8}
+
+
+def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
+    # The GPU columns cannot run here: feed build_report what a CUDA worker returns (measure() on CUDA), with
+    # made-up numbers, and check the derived columns and the table against hand arithmetic.
+    def fake_worker(name, flags, mbs, gbs, opts, log_dir):
+        if name == "stock-te-fp8":
+            return dict(system=name, micro_batch_size=mbs, status="oom", reason="out of memory: CUDA out of memory",
+                        wall_s=5.0, device=H200, peak_mem_gib=139.1)
+        seconds = {"hf-eager": 10.0, "litespark-bf16": 4.0}[name]
+        joules = {"hf-eager": 7000.0, "litespark-bf16": 2600.0}[name]
+        return dict(system=name, micro_batch_size=mbs, status="ok", steps=10, seconds=seconds, tokens_per_step=8192,
+                    step_times_s=[seconds / 10] * 10, joules=joules, energy_seconds=seconds, energy_note=None,
+                    peak_mem_gib=90.5, peak_mem_timed_gib=90.0, loss_first=11.9, loss_last=11.5, params=3_606_752_256,
+                    skipped_steps=0, notes=[], precision="bf16", wall_s=40.0, device=H200)
+
+    monkeypatch.setattr(benchmark, "run_worker", fake_worker)
+    opts = benchmark.build_parser().parse_args([])
+    gbs, candidates = benchmark.micro_batch_plan(opts)
+    flags = benchmark.base_flags(opts)
+    report = benchmark.run_all(["hf-eager", "litespark-bf16", "stock-te-fp8"], flags, gbs, candidates, opts,
+                               benchmark.check_shape(flags), tmp_path, "python tools/benchmark.py")
+    assert report["peak"]["tflops"] == 989.4 and report["peak"]["mfu_basis"] == "bf16-dense"
+    rows = {r["system"]: r for r in report["systems"]}
+    ls = rows["litespark-bf16"]
+    full = 2 * 4096 * 23_503_306_752  # llama-3b training FLOPs per token, full attention (docs/metrics.md)
+    assert ls["model_flops_per_step"] == full
+    assert ls["tokens_per_sec"] == pytest.approx(81920 / 4.0)
+    assert ls["tflops_per_gpu"] == pytest.approx(full * 10 / 4.0 / 1e12)
+    assert ls["mfu"] == pytest.approx(full * 10 / 4.0 / 1e12 / 989.4)
+    assert ls["gpu_power_w"] == pytest.approx(650.0) and ls["joules_per_token"] == pytest.approx(2600 / 81920)
+    assert ls["vs_hf_eager"]["tokens_per_sec"] == pytest.approx(2.5)
+    assert ls["vs_hf_eager"]["joules_per_token"] == pytest.approx(2600 / 7000)
+    assert rows["stock-te-fp8"]["status"] == "oom"
+    md = benchmark.render_markdown(report)
+    assert "- device: NVIDIA H200 (1 of 1 visible; compute capability 9.0), CUDA 13.0" in md
+    assert "- MFU: against 989.4 TFLOP/s (dense BF16 of H200, datasheet), FP8 systems too" in md
+    tflops = full * 10 / 4.0 / 1e12
+    assert (f"| litespark-bf16 | bf16 | 2 x 1 | 20,480 | 2.50x | {tflops:.1f} / "
+            f"{2 * 4096 * 21_389_377_536 * 10 / 4.0 / 1e12:.1f} | {tflops / 989.4:.1%} / ") in md
+    assert "| 90.5 | 650 | 0.0317 | 0.37x | 11.900 -> 11.500 |" in md
+    assert "| stock-te-fp8 | oom: out of memory: CUDA out of memory |" in md
+    assert "megatron systems (GPU): bf16 parameters and compute with fp32 main parameters" in md
+    json.dumps(report)  # benchmark.json must serialize
+
+
+def test_measure_cuda_branch_with_a_replayed_energy_counter(monkeypatch):
+    import torch
+
+    from litespark_megatron.metrics import energy
+
+    Meter = energy.EnergyMeter
+    readings = iter([5_000_000, 5_000_000 + 3_000_000])  # mJ: start, then the lap after the timed steps = 3000 J
+    peaks = iter([4 * 2**30, 3 * 2**30])                   # after warm-up, after the timed steps
+
+    class ReplayMeter(Meter):
+        def __init__(self):
+            super().__init__(devices=["GPU-0"], reader=lambda dev: next(readings))
+
+    monkeypatch.setattr(energy, "EnergyMeter", ReplayMeter)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: next(peaks))
+    losses = iter([3.0, 2.5, 2.0, 1.5])
+    out = benchmark.measure(lambda: next(losses), tokens_per_step=100, warmup=1, steps=3, cuda=True)
+    assert out["joules"] == 3000.0 and out["energy_seconds"] > 0 and out["energy_note"] is None
+    assert out["peak_mem_gib"] == 4.0 and out["peak_mem_timed_gib"] == 3.0
+    assert (out["steps"], out["loss_first"], out["loss_last"], len(out["step_times_s"])) == (3, 3.0, 1.5, 3)
+
+    class NoNvml(Meter):
+        def __init__(self):
+            super().__init__(devices=["GPU-0"], reader=lambda dev: (_ for _ in ()).throw(OSError("NVML missing")))
+
+    monkeypatch.setattr(energy, "EnergyMeter", NoNvml)
+    peaks = iter([2**30, 2**30])
+    out = benchmark.measure(lambda: 1.0, tokens_per_step=100, warmup=0, steps=1, cuda=True)
+    assert out["joules"] is None and out["energy_note"].startswith("GPU energy not measured: GPU energy counter")
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs HuggingFace transformers (pip install transformers)")
+def test_hf_llama_3b_is_the_megatron_shape_in_bf16():
+    # Built on the meta device (no memory) the way the GPU worker builds it on CUDA: bf16 by default dtype, SDPA,
+    # RoPE base 500000, and exactly the parameters the FLOP/parameter counter gives llama-3b (docs/metrics.md).
+    import torch
+
+    model = benchmark._build_hf(resolve(["--model", "llama-3b"]), cuda=True, device=torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) == 3_606_752_256
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored after the build
