@@ -5,6 +5,7 @@ Started by the parity tests under torchrun with a parallel layout given as lites
 The global batch of each step depends only on the seed and the step, so every layout sees the same tokens.
 """
 import json
+import os
 import sys
 
 import torch
@@ -33,7 +34,7 @@ def main():
 
     args = config.resolve(flags)
     plat = platform.detect()
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(args, world, cuda=plat.device_type == "cuda", te=plat.te, fp8_capable=plat.fp8_capable)
     platform.init_distributed(args, plat)
     backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
