@@ -61,11 +61,26 @@ PRESETS = {
                              num_query_groups=52, vocab_size=32000, seq_length=4096,
                              max_position_embeddings=4096, rotary_base=10000,
                              description="LLaMA-30B shape (MHA, 32k vocab)"),
+    # Base sizes of the efficiency suite (tools/efficiency_suite.py): Llama-style, GQA with 4 KV groups, SwiGLU with
+    # a 4x FFN (as Llama-3.2), untied, 32k vocabulary (LLaMA/Llama-2 size). Head dim 64 (0.5b) and 128 (1.5b), so
+    # that TP 1, 2, 4 divide both the heads and the KV groups. Parameter counts: docs/metrics.md.
+    "eff-0.5b": ModelPreset(num_layers=28, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
+                            num_query_groups=4, vocab_size=32000, seq_length=2048, max_position_embeddings=4096,
+                            rotary_base=10000, description="efficiency-suite base, ~0.49B parameters (32k vocab)"),
+    "eff-1.5b": ModelPreset(num_layers=22, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
+                            num_query_groups=4, vocab_size=32000, seq_length=2048, max_position_embeddings=4096,
+                            rotary_base=10000, description="efficiency-suite base, ~1.47B parameters (32k vocab)"),
 }
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelPreset) if f.name != "description"]
 SPECS = ("litespark", "stock-te", "stock-local")
 BACKENDS = ("auto", "te", "local")
+POSITION_EMBEDDINGS = ("rope", "none")
+MOE_DISPATCHERS = ("allgather", "alltoall")
+# MoE flags that mean nothing without --num-experts (given alone, they are refused rather than ignored).
+MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_aux_loss_coeff",
+             "moe_token_dispatcher_type")
+MLA_FLAGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 def _bool_pair(group, name: str, default: Optional[bool], help: str):
@@ -99,12 +114,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, default="rope",
+                   help="rope (Llama) or none (NoPE: no positional encoding; causal masking alone orders tokens)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
+    g = p.add_argument_group(
+        "multi-latent attention (MLA, DeepSeek-V2; megatron-core MLASelfAttention)",
+        "Defaults follow DeepSeek-V2's proportions from the preset's head dim d = hidden / heads: qk-head-dim = "
+        "v-head-dim = d, qk-pos-emb-head-dim = d/2, kv-lora-rank = 4d, no query compression (as DeepSeek-V2-Lite). "
+        "RoPE is plain RoPE (base --rotary-base) on the decoupled qk-pos-emb part.")
+    g.add_argument("--multi-latent-attention", action="store_true", help="use MLA instead of GQA/MHA attention")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="query compression rank (default: none)")
+    g.add_argument("--kv-lora-rank", type=int, default=None, help="key/value latent rank (default: 4d)")
+    g.add_argument("--qk-head-dim", type=int, default=None, help="per-head q/k dim without RoPE (default: d)")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=None, help="per-head RoPE q/k dim (default: d/2)")
+    g.add_argument("--v-head-dim", type=int, default=None, help="per-head value dim (default: d)")
+
+    g = p.add_argument_group("mixture of experts (MoE; megatron-core MoELayer in every layer)")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per layer (default: dense MLP)")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (needed for top-1)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="FFN size of each expert "
+                   "(default: --ffn-hidden-size)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="total FFN size of the shared experts every token runs through (default: none)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="load-balancing auxiliary loss coefficient (default 0.0; its gradient is added, the logged "
+                        "loss is the language-model loss alone)")
+    g.add_argument("--moe-token-dispatcher-type", choices=MOE_DISPATCHERS, default=None,
+                   help="how tokens reach their experts (default allgather)")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="run the local experts as one grouped GEMM (Transformer Engine's TEGroupedMLP)")
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="spread the experts of each MoE layer over this many ranks (taken from the data-parallel "
+                        "ranks; expert tensor parallelism equals --tensor-model-parallel-size)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--context-parallel-size", type=int, default=1)
@@ -221,7 +270,38 @@ def resolve(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise ConfigError(f"unknown --transformer-impl '{args.backend}'; choose one of: {', '.join(BACKENDS)}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    _resolve_architecture(args)
     return args
+
+
+def _resolve_architecture(args: argparse.Namespace) -> None:
+    """Fill the MoE and MLA defaults, so that the namespace holds the numbers the model is built with (the FLOP
+    counter and the saved config.yaml read them from here)."""
+    if args.num_experts is None:
+        given = [f for f in MOE_FLAGS if getattr(args, f) is not None]
+        given += [f for f in ("moe_grouped_gemm", "moe_router_pre_softmax") if getattr(args, f)]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --num-experts (the model is dense without it)")
+    else:
+        for name, default in (("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.0),
+                              ("moe_token_dispatcher_type", "allgather"), ("moe_ffn_hidden_size", args.ffn_hidden_size)):
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+    if not args.multi_latent_attention:
+        given = [f for f in MLA_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --multi-latent-attention")
+        return
+    if "num_query_groups" not in args.preset_fields and args.num_query_groups != args.num_attention_heads:
+        raise ConfigError(f"--num-query-groups {args.num_query_groups} has no meaning with --multi-latent-attention: "
+                          f"MLA gives every head its own keys and values (up-projected from one shared latent); "
+                          f"drop --num-query-groups or --multi-latent-attention")
+    args.num_query_groups = args.num_attention_heads
+    head_dim = args.hidden_size // max(args.num_attention_heads, 1)
+    for name, default in (("qk_head_dim", head_dim), ("v_head_dim", head_dim), ("qk_pos_emb_head_dim", head_dim // 2),
+                          ("kv_lora_rank", 4 * head_dim)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def data_parallel_size(args, world_size: int) -> int:
@@ -251,8 +331,11 @@ def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool,
         raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
     if args.num_query_groups % tp:
+        kind = "MQA has one KV head" if args.num_query_groups == 1 else "GQA"
         raise ConfigError(f"--num-query-groups (KV heads) {args.num_query_groups} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
+                          f"--tensor-model-parallel-size {tp}: megatron-core's attention gives every TP rank whole "
+                          f"KV heads ({kind}); use a TP that divides {args.num_query_groups} (and data parallelism "
+                          f"for the other GPUs), or more --num-query-groups")
     if args.num_attention_heads % args.num_query_groups:
         raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not a multiple of "
                           f"--num-query-groups {args.num_query_groups}")
@@ -308,6 +391,72 @@ def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool,
                           f"{args.micro_batch_size} x {dp} = {args.micro_batch_size * dp}")
     if args.train_iters < 0:
         raise ConfigError(f"--train-iters must be >= 0, got {args.train_iters}")
+    _validate_architecture(args, world_size, backend, cuda)
+
+
+def _validate_architecture(args, world_size: int, backend: str, cuda: bool) -> None:
+    """Position encoding, MLA and MoE against the layout and the backend."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    te_modules = backend == "te" or args.spec == "stock-te"
+    if args.multi_latent_attention:
+        if args.position_embedding_type != "rope":
+            raise ConfigError("--position-embedding-type none cannot be combined with --multi-latent-attention: MLA "
+                              "applies its own decoupled RoPE inside the attention")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.q_lora_rank is not None and args.q_lora_rank < 1:
+            raise ConfigError(f"--q-lora-rank must be >= 1 (or left out for no query compression), "
+                              f"got {args.q_lora_rank}")
+        if args.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+        if tp > 1 and not args.sequence_parallel:
+            raise ConfigError("--multi-latent-attention with --tensor-model-parallel-size > 1 needs "
+                              "--sequence-parallel: megatron-core replicates MLA's latent down-projections on every "
+                              "TP rank and sums their gradients (and the shared RoPE key's) over the sequence-parallel "
+                              "region; without SP each rank keeps only its own heads' share of them")
+        if args.spec == "stock-local":
+            raise ConfigError("--spec stock-local cannot build MLA with megatron-core 0.16.1 (its local MLA spec "
+                              "passes k_channels to DotProductAttention, which does not take it): use --spec "
+                              "litespark (local or te backend) or --spec stock-te")
+    if ep < 1:
+        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if args.num_experts is None:
+        if ep > 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs an MoE model (--num-experts)")
+        return
+    e, k = args.num_experts, args.moe_router_topk
+    if e < 1:
+        raise ConfigError(f"--num-experts must be >= 1, got {e}")
+    if not 1 <= k <= e:
+        raise ConfigError(f"--moe-router-topk must be between 1 and --num-experts ({e}), got {k}")
+    if k == 1 and not args.moe_router_pre_softmax:
+        raise ConfigError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen expert "
+                          "is constant 1, so the router would get no gradient)")
+    if e % ep:
+        raise ConfigError(f"--num-experts {e} is not divisible by --expert-model-parallel-size {ep}: every expert-"
+                          f"parallel rank holds the same number of experts")
+    if world_size % (tp * ep * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by TP x EP x PP = {tp} x {ep} x {pp} = "
+                          f"{tp * ep * pp} (the expert layout); start a multiple of {tp * ep * pp} processes or "
+                          f"lower --expert-model-parallel-size")
+    if tp > 1 and not args.sequence_parallel:
+        raise ConfigError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core's "
+                          "MoE layer refuses to train without it: every TP rank would route the same tokens)")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        v = getattr(args, name)
+        if v is not None and (v < 1 or v % tp):
+            raise ConfigError(f"--{name.replace('_', '-')} {v} must be >= 1 and divisible by TP {tp}")
+    if args.moe_token_dispatcher_type == "alltoall" and tp > 1 and (not cuda or args.distributed_backend == "gloo"):
+        raise ConfigError("--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 gathers uneven "
+                          "token counts over the TP group, which gloo (the CPU backend) cannot do; use "
+                          "--moe-token-dispatcher-type allgather here, or NCCL on GPUs")
+    if args.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
+    if args.moe_grouped_gemm and not te_modules:
+        raise ConfigError("--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP): use --transformer-impl te "
+                          "on a GPU with TE installed, or drop --moe-grouped-gemm (the experts then run one after "
+                          "another as megatron-core's SequentialMLP)")
 
 
 def resolved_backend(args, *, cuda: bool, te: bool) -> str:

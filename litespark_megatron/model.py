@@ -8,6 +8,7 @@ parallel layouts be checked against one process, and lets a run change layout wi
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from typing import List
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from . import specs
 from .platform import current_device
@@ -50,7 +51,9 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
     fp8 = {}
     if args.fp8_format:
         fp8 = dict(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
-    return TransformerConfig(
+    arch = architecture_fields(args)
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -85,7 +88,8 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         # Loss is summed over tokens and divided by the global token count: every layout reduces the same way.
         calculate_per_token_loss=True,
         # Fusions that need TE/Apex/CUDA only where they exist; the Litespark modules bring their own.
-        apply_rope_fusion=te,
+        # MLA's fused RoPE kernel implements YaRN only; its plain RoPE runs unfused.
+        apply_rope_fusion=te and not args.multi_latent_attention,
         bias_activation_fusion=False,
         masked_softmax_fusion=te,
         bias_dropout_fusion=device_type == "cuda",
@@ -94,7 +98,48 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         deallocate_pipeline_outputs=device_type == "cuda",
         **recompute,
         **fp8,
+        **arch,
     )
+
+
+def _aux_loss_correction(args) -> int:
+    """megatron-core 0.16.1 scales the MoE load-balancing loss's gradient (with calculate_per_token_loss) by the
+    tokens of the router's input on this rank (TopKRouter.attach_and_log_load_balancing_loss), but divides all
+    gradients by the tokens of the whole sequence. Under sequence parallelism the router sees 1/TP of the sequence,
+    under context parallelism 1/CP of it, so its gradient comes out TP x CP times too small (a TP2+SP run then
+    trains a different model than one process). Scaling the coefficient by TP x CP restores the single-process
+    gradient; the aux loss megatron-core tracks is divided by the coefficient again, so it is unchanged."""
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return tp * args.context_parallel_size
+
+
+def architecture_fields(args) -> dict:
+    """The TransformerConfig / MLATransformerConfig fields of the MoE MLP and the MLA attention (none when dense GQA)."""
+    fields = dict(expert_model_parallel_size=args.expert_model_parallel_size)
+    if args.num_experts:
+        fields.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff * _aux_loss_correction(args),
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+        )
+    if args.multi_latent_attention:
+        fields.update(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            # Plain RoPE at the preset's base, like the GQA models it is compared with (MLATransformerConfig's
+            # default is DeepSeek's YaRN long-context extension, scaling factor 40).
+            rope_type="rope",
+            rotary_base=args.rotary_base,
+        )
+    return fields
 
 
 def build_model(args, config: TransformerConfig, backend: str, vocab_size: int) -> List[GPTModel]:
@@ -114,7 +159,7 @@ def build_model(args, config: TransformerConfig, backend: str, vocab_size: int) 
             pre_process=first,
             post_process=last,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="rope",
+            position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
             vp_stage=stage,
         )
@@ -131,15 +176,44 @@ _NORM_SUFFIXES = ("layernorm.weight", "layer_norm_weight", "final_layernorm.weig
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 
 
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$")
+
+
 def global_name(model: GPTModel, name: str) -> str:
-    """decoder.layers.<local index>.… -> decoder.layers.<global index>.… (the same in every pipeline layout)."""
+    """The parameter's name in the whole model, the same in every layout and backend:
+    decoder.layers.<local index>.… -> decoder.layers.<global index>.… (pipeline stages), and experts by their
+    global index (expert_global_name)."""
     if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
     if name.startswith("decoder.layers."):
         parts = name.split(".")
         parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
-        return ".".join(parts)
+        name = ".".join(parts)
+    if model.config.num_moe_experts and ".mlp.experts." in name:
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        name = expert_global_name(name, parallel_state.get_expert_model_parallel_rank(),
+                                  model.config.num_moe_experts // ep_size)
     return name
+
+
+def expert_global_name(name: str, ep_rank: int, num_local_experts: int) -> str:
+    """An expert parameter as mlp.experts.local_experts.<global expert>.…: expert-parallel rank r holds experts
+    r * local + i, and TEGroupedMLP's `linear_fc1.weight<i>` is local expert i's `linear_fc1.weight`. Other names
+    are returned unchanged."""
+    grouped = _GROUPED_EXPERT.match(name)
+    if grouped:
+        prefix, linear, kind, local = grouped.groups()
+        name = f"{prefix}.local_experts.{local}.{linear}.{kind}"
+    sequential = _SEQUENTIAL_EXPERT.match(name)
+    if sequential:
+        prefix, local, rest = sequential.groups()
+        name = f"{prefix}.local_experts.{ep_rank * num_local_experts + int(local)}.{rest}"
+    return name
+
+
+def is_expert(gname: str) -> bool:
+    return ".mlp.experts.local_experts." in gname
 
 
 def _tp_layout(name: str, param: torch.Tensor, config: TransformerConfig):
@@ -160,10 +234,18 @@ def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> t
 
 @torch.no_grad()
 def init_layout_invariant(model: GPTModel, config: TransformerConfig, seed: int) -> None:
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    """Norm weights (input/pre-MLP/final, MLA's q_layernorm and kv_layernorm, TE's fused layer_norm_weight) are 1,
+    biases 0, everything else (projections, MLA's down/up projections, the MoE router, experts, embeddings) is
+    N(0, init_method_std), residual output projections scaled by 1/sqrt(2 L)."""
+    dense_tp = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+    expert_tp = dense_tp
+    if config.num_moe_experts:
+        # Experts are split over the expert-tensor-parallel group (megatron-core: the TP size unless set apart).
+        expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
+                     parallel_state.get_expert_tensor_parallel_world_size())
     for name, param in model.named_parameters():
         gname = global_name(model, name)
+        tp_rank, tp_size = expert_tp if is_expert(gname) else dense_tp
         if gname.endswith(_NORM_SUFFIXES):
             param.fill_(1.0)
             continue

@@ -279,12 +279,27 @@ def quiet_library_noise() -> None:
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_DropUnknownMLP())
 
 
+def patch_mla_without_te() -> bool:
+    """Without Transformer Engine (CPU, or a GPU machine without it) megatron-core 0.16.1 cannot build its MLA
+    attention with any modules: `megatron.core.extensions.transformer_engine` defines the TE classes over a
+    MagicMock, so the MLA module's `from ... import TELinear` succeeds and sets its HAVE_TE = True, and
+    `isinstance(self.linear_proj, TELinear)` then raises 'isinstance() arg 2 must be a type'. Tell the MLA module
+    that TE is absent, which is true. A no-op (returns False) when TE's classes are real types."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not mla.HAVE_TE or isinstance(mla.TELinear, type):
+        return False
+    mla.HAVE_TE = False
+    return True
+
+
 # --------------------------------------------------------------------------------------------- process groups
 def init_distributed(args, platform: Optional[Platform] = None) -> Platform:
     """Start torch.distributed (torchrun's env, or a single process), megatron's parallel_state and the seeds."""
     platform = platform or detect()
     if platform.device_type == "cpu":
         apply_cpu_shims()
+    patch_mla_without_te()
     backend = platform.dist_backend if args.distributed_backend == "auto" else args.distributed_backend
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
@@ -305,6 +320,8 @@ def init_distributed(args, platform: Optional[Platform] = None) -> Platform:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
         context_parallel_size=args.context_parallel_size,
+        # Experts are spread over ranks taken from the data-parallel ones (expert tensor parallelism = TP).
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         # megatron's optimizers use gloo groups for CPU-side state exchange (as Megatron-LM does by default).
         create_gloo_process_groups=True,

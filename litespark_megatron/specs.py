@@ -7,8 +7,13 @@ Checkpoint keys. Litespark-local and stock-local have identical state-dict keys.
 the pre-norms into the next GEMM, so its norm weights live at `self_attention.linear_qkv.layer_norm_weight` and
 `mlp.linear_fc1.layer_norm_weight` instead of `input_layernorm.weight` and `pre_mlp_layernorm.weight`; the local
 specs declare that map (`sharded_state_dict_keys_map`), so dist_checkpointing checkpoints load across all four.
+With MLA the fused norms are the latent norms (`self_attention.q_layernorm` / `kv_layernorm` ->
+`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`); MLA's input norm and an MoE layer's pre-MLP norm
+are separate modules on every backend.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -22,65 +27,126 @@ LOCAL_TO_TE_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
+# MLA on the te backend fuses its latent norms into the up projections that follow them.
+MLA_LOCAL_TO_TE_KEYS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
 
 
-def get_litespark_layer_spec(backend: str = "local") -> ModuleSpec:
-    """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te"."""
+def _keys_map(multi_latent_attention: bool, moe: bool) -> dict:
+    """Local-backend keys -> te-backend keys, for the norms the te backend fuses in this architecture. MLA's
+    input norm and an MoE layer's pre-MLP norm stay separate modules on te too (nothing to fuse them into)."""
+    keys = dict(MLA_LOCAL_TO_TE_KEYS) if multi_latent_attention else \
+        {"input_layernorm.": LOCAL_TO_TE_KEYS["input_layernorm."]}
+    if not moe:
+        keys["pre_mlp_layernorm."] = LOCAL_TO_TE_KEYS["pre_mlp_layernorm."]
+    return keys
+
+
+def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
+                             num_experts: Optional[int] = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
+
+    Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention
+    with Litespark core attention and RMSNorm latent norms (local) / TE modules (te). MLP: the Litespark SwiGLU MLP,
+    or (num_experts) megatron-core's MoELayer, whose experts are megatron-core SwiGLU MLPs made of the same
+    linears (local: SequentialMLP; te: TEGroupedMLP with moe_grouped_gemm, else SequentialMLP of TE linears).
+    """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
     from .layers import LitesparkCoreAttention, LitesparkMLP, LitesparkRMSNorm, LitesparkSelfAttention
 
     if backend == "te":
         from megatron.core.extensions.transformer_engine import (
-            TEDotProductAttention, TELayerNormColumnParallelLinear, TERowParallelLinear)
+            TEColumnParallelLinear, TEDotProductAttention, TELayerNormColumnParallelLinear, TELinear, TENorm,
+            TERowParallelLinear)
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
-        input_norm = pre_mlp_norm = IdentityOp  # fused into linear_qkv / linear_fc1
+        norm = TENorm
+        fused_norm = IdentityOp  # the norm lives inside the next TELayerNormColumnParallelLinear
         qkv = fc1 = TELayerNormColumnParallelLinear
         core_attention, proj, fc2 = TEDotProductAttention, TERowParallelLinear, TERowParallelLinear
+        # MLA: the down projections are replicated (TE 'duplicated'); the up projections carry the latent norms.
+        mla_linears = dict(linear_q_proj=TEColumnParallelLinear, linear_q_down_proj=TELinear,
+                           linear_q_up_proj=TELayerNormColumnParallelLinear, linear_kv_down_proj=TELinear,
+                           linear_kv_up_proj=TELayerNormColumnParallelLinear, q_layernorm=IdentityOp,
+                           kv_layernorm=IdentityOp)
+        provider = TESpecProvider()
         keys_map = {}
     elif backend == "local":
+        from megatron.core.models.backends import LocalSpecProvider
+        from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-        input_norm = pre_mlp_norm = LitesparkRMSNorm
+        norm = fused_norm = LitesparkRMSNorm
         qkv = fc1 = ColumnParallelLinear
         core_attention, proj, fc2 = LitesparkCoreAttention, RowParallelLinear, RowParallelLinear
-        keys_map = dict(LOCAL_TO_TE_KEYS)
+        # The down projections are replicated across TP, as on te (megatron-core's plain-torch `Linear`, which
+        # MLASelfAttention accepts there). Its stock local spec makes them column-parallel and gathers their output,
+        # but then the gradient of the shared RoPE key (k_pos_emb), which every rank uses for its own heads, is
+        # split instead of summed over TP: TP2 trains a different model than TP1 (seen as a 1e-3 loss drift).
+        mla_linears = dict(linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ReplicatedLinear,
+                           linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ReplicatedLinear,
+                           linear_kv_up_proj=ColumnParallelLinear, q_layernorm=LitesparkRMSNorm,
+                           kv_layernorm=LitesparkRMSNorm)
+        provider = LocalSpecProvider()
+        keys_map = _keys_map(multi_latent_attention, bool(num_experts))
     else:
         raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
+
+    if multi_latent_attention:
+        input_norm = norm  # MLA's first GEMMs (the down projections) take no fused norm
+        attention = ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=MLASelfAttentionSubmodules(core_attention=core_attention,
+                                                                     linear_proj=proj, **mla_linears))
+    else:
+        input_norm = fused_norm
+        attention = ModuleSpec(module=LitesparkSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=core_attention,
+                                                                  linear_proj=proj, q_layernorm=IdentityOp,
+                                                                  k_layernorm=IdentityOp))
+    if num_experts:
+        pre_mlp_norm = norm  # the router and the token dispatch sit between the norm and the expert GEMMs
+        mlp = get_moe_module_spec_for_backend(provider, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    else:
+        pre_mlp_norm = fused_norm
+        mlp = ModuleSpec(module=LitesparkMLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
 
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=input_norm,
-            self_attention=ModuleSpec(
-                module=LitesparkSelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=core_attention,
-                                                   linear_proj=proj, q_layernorm=IdentityOp,
-                                                   k_layernorm=IdentityOp)),
+            self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_mlp_norm,
-            mlp=ModuleSpec(module=LitesparkMLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),
     )
 
 
-def get_layer_spec(spec: str, backend: str) -> ModuleSpec:
+def get_layer_spec(spec: str, backend: str, multi_latent_attention: bool = False, num_experts: Optional[int] = None,
+                   moe_grouped_gemm: bool = False) -> ModuleSpec:
     """The layer spec named by --spec; `backend` ("te"/"local") applies to the litespark spec."""
+    arch = dict(multi_latent_attention=multi_latent_attention, num_experts=num_experts,
+                moe_grouped_gemm=moe_grouped_gemm)
     if spec == "litespark":
-        return get_litespark_layer_spec(backend)
+        return get_litespark_layer_spec(backend, **arch)
+    # The stock MLA layer normalizes its latents only with qk_layernorm (as DeepSeek-V2 does): turn it on for MLA.
     if spec == "stock-te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=multi_latent_attention, **arch)
     if spec == "stock-local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=multi_latent_attention, **arch)
     raise ConfigError(f"unknown --spec '{spec}'; choose one of: {', '.join(SPECS)}")
 
 
@@ -103,6 +169,7 @@ def block_spec(spec: str, backend: str, config, vp_stage=None, pp_rank=None) -> 
     """The layers this pipeline stage (and virtual stage) builds, and the final norm."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    layer = get_layer_spec(spec, backend)
+    layer = get_layer_spec(spec, backend, multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)),
+                           num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm))
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm(spec, backend))

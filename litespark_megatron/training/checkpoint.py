@@ -27,7 +27,7 @@ from ..config import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-               "num_layers_per_virtual_pipeline_stage", "world_size")
+               "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "world_size")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -73,6 +73,13 @@ def latest_iteration(root: str) -> int:
 
 def _layout(args) -> dict:
     return {k: (dist.get_world_size() if k == "world_size" else getattr(args, k)) for k in LAYOUT_KEYS}
+
+
+def _saved_layout(common: dict) -> dict:
+    layout = dict(common.get("layout") or {})
+    # Checkpoints from before expert parallelism existed ran at EP 1.
+    layout.setdefault("expert_model_parallel_size", common.get("args", {}).get("expert_model_parallel_size") or 1)
+    return layout
 
 
 def _sharded_metadata(args) -> dict:
@@ -186,8 +193,17 @@ def load(args, model, optimizer, scheduler) -> tuple:
     path = iteration_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
     metadata = dist_checkpointing.load_content_metadata(path) or _sharded_metadata(args)
-    same_layout = common.get("layout") == _layout(args)
+    saved_layout = _saved_layout(common)
+    same_layout = saved_layout == _layout(args)
     has_optim = not common.get("args", {}).get("no_save_optim", False)
+    saved_ep = common.get("args", {}).get("expert_model_parallel_size") or 1
+    if has_optim and args.num_experts and saved_ep != args.expert_model_parallel_size:
+        # megatron-core 0.16.1 groups MoE optimizer state per expert-parallel layout; loading it into another one
+        # fails deep inside the optimizer (KeyError 'optimizer' / 'pre_wd_mult').
+        raise CheckpointError(f"--load {root}: its optimizer state was saved at --expert-model-parallel-size "
+                              f"{saved_ep} and cannot be resharded to {args.expert_model_parallel_size}; resume "
+                              f"with EP {saved_ep} (model weights alone reshard: a --no-save-optim checkpoint "
+                              f"loads at any EP)")
     template = _state_dict(args, model, optimizer if has_optim else None, scheduler, is_loading=True,
                            with_rng=same_layout, metadata=metadata)
     loaded = dist_checkpointing.load(template, path)

@@ -1,0 +1,727 @@
+"""EfficientLLM-style efficiency suite: architecture and precision variants of one base model, each trained for the
+same steps on the same data by `litespark-train`, and their AMU, PCU, AL, TT, AEC, J/token and perplexity.
+
+    python tools/efficiency_suite.py --out runs/eff --model eff-0.5b --variants all -- --micro-batch-size 4 ...
+
+Every variant runs in a fresh `python -m litespark_megatron` (torchrun with --nproc > 1) that writes its own
+metrics.jsonl: the trainer's telemetry is the measurement, and this module only aggregates what it logged
+(docs/metrics.md, "EfficientLLM metrics"). A value the trainer did not measure (GPU memory, MFU, power on a CPU
+run) stays None here: "not measured" in the table, null in JSON/CSV, left out of plots with a note.
+
+The suite is resumable: OUT/suite_state.json records each variant's status as it goes. A second invocation with the
+same settings skips variants that completed (or ran out of GPU memory) and re-runs the ones that were interrupted or
+failed. Every variant is validated in-process (config.resolve + config.validate) before anything runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from . import config as config_lib
+from .config import ConfigError, UserError
+
+STATE_FILE = "suite_state.json"
+STATE_VERSION = 1
+# Flags the suite sets itself, per variant or from its own options.
+RESERVED_FLAGS = ("--save", "--load", "--metrics-file", "--tensorboard-dir", "--bf16", "--fp16", "--fp8-format",
+                  "--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--exit-interval")
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
+# Subprocess output that means the GPU ran out of memory (torch's allocator, cuBLAS/cuDNN workspaces, raw CUDA).
+OOM_PATTERNS = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
+                          r"CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|CUDA error: out of memory")
+FINAL = ("done", "oom")  # outcomes a resumed suite keeps; anything else runs again
+
+
+# --------------------------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    what: str
+    flags: Callable  # (base args, te backend?) -> litespark-train flags added to the base command line
+    precision: Optional[str] = None  # None: the suite's --precision
+
+
+def _gqa_groups(heads: int, groups: int) -> int:
+    """The preset's KV groups when it is GQA; for an MHA/MQA preset the largest divisor of the heads <= heads/4
+    (Llama-2-70B/Llama-3 use heads/8 .. heads/4)."""
+    if 1 < groups < heads:
+        return groups
+    divisors = [g for g in range(2, heads) if heads % g == 0]
+    small = [g for g in divisors if g <= heads // 4]
+    if small or divisors:
+        return max(small or divisors)
+    raise ConfigError(f"variant 'gqa': {heads} attention heads have no divisor between 1 and {heads}, so no "
+                      f"grouped-query attention exists for this model")
+
+
+def _moe_flags(args, te: bool) -> list:
+    # EfficientLLM's "N x 8" MoE: 8 experts the size of the dense FFN, top-2, a small load-balancing loss;
+    # all-to-all dispatch (what expert parallelism uses); grouped GEMM where Transformer Engine runs the layer.
+    flags = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+             "--moe-token-dispatcher-type", "alltoall"]
+    return flags + (["--moe-grouped-gemm"] if te else [])
+
+
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (
+    Variant("dense", "the base model (preset attention, dense SwiGLU MLP, RoPE, --precision)", lambda a, te: []),
+    Variant("mha", "multi-head attention: one KV head per query head",
+            lambda a, te: ["--num-query-groups", str(a.num_attention_heads)]),
+    Variant("gqa", "grouped-query attention (the preset's KV groups, or heads/4 for an MHA preset)",
+            lambda a, te: ["--num-query-groups", str(_gqa_groups(a.num_attention_heads, a.num_query_groups))]),
+    Variant("mqa", "multi-query attention: one KV head", lambda a, te: ["--num-query-groups", "1"]),
+    Variant("mla", "multi-latent attention (DeepSeek-V2 proportions of the head dim)",
+            lambda a, te: ["--multi-latent-attention"]),
+    Variant("moe", "mixture of experts: 8 experts of the dense FFN size, top-2, aux loss 0.01", _moe_flags),
+    Variant("nope", "no positional encoding (NoPE)", lambda a, te: ["--position-embedding-type", "none"]),
+    Variant("bf16", "BF16 parameters and compute", lambda a, te: [], precision="bf16"),
+    Variant("fp16", "FP16 with dynamic loss scaling", lambda a, te: [], precision="fp16"),
+    Variant("fp8", "FP8 (TE, hybrid E4M3/E5M2, delayed scaling) over BF16", lambda a, te: ["--fp8-format", "hybrid"],
+            precision="bf16"),
+)}
+
+
+def parse_variant_names(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise UserError(f"unknown variant{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}; "
+                        f"choose from: {', '.join(VARIANTS)} (or 'all')")
+    if not names:
+        raise UserError("--variants is empty; name at least one of: " + ", ".join(VARIANTS))
+    if len(set(names)) != len(names):
+        raise UserError(f"--variants names a variant twice: {text}")
+    return names
+
+
+# --------------------------------------------------------------------------------------------- settings
+@dataclass
+class Settings:
+    out: Path
+    model: str
+    variants: List[str]
+    precision: str
+    train_iters: int
+    log_interval: int
+    eval_iters: int
+    nproc: int
+    mock_data: bool
+    warmup_intervals: int
+    timeout: int
+    time_budget: Optional[float]
+    rerun: List[str]
+    variant_flags: Dict[str, List[str]]
+    shared: List[str]  # litespark-train flags after '--'
+
+    def identity(self) -> dict:
+        """What makes two invocations the same suite (the variant list may grow between them)."""
+        return dict(model=self.model, precision=self.precision, train_iters=self.train_iters,
+                    log_interval=self.log_interval, eval_iters=self.eval_iters, nproc=self.nproc,
+                    mock_data=self.mock_data, shared=self.shared, variant_flags=self.variant_flags)
+
+    def base_flags(self) -> List[str]:
+        flags = ["--model", self.model, "--train-iters", str(self.train_iters), "--log-interval",
+                 str(self.log_interval), "--eval-iters", str(self.eval_iters)]
+        return flags + (["--mock-data"] if self.mock_data and "--mock-data" not in self.shared else []) + self.shared
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .metrics._cli import OneLineParser, non_negative_int, positive_float, positive_int
+
+    p = OneLineParser(
+        prog="efficiency_suite",
+        description="Train architecture/precision variants of one base model for the same steps on the same data, "
+                    "each in a fresh litespark-train process, and tabulate/plot AMU, PCU, AL, TT, AEC, J/token and "
+                    "validation perplexity (EfficientLLM definitions, docs/metrics.md). Flags after '--' go to "
+                    "every litespark-train run (layout, batch, learning rate, data).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for runs, state, table, JSON, CSV, plots and tb/")
+    p.add_argument("--model", default="eff-0.5b", help="base preset: " + ", ".join(config_lib.PRESETS))
+    p.add_argument("--variants", default="all", help="comma list of: " + ", ".join(VARIANTS) + "; or all")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
+                   help="precision of the non-precision variants")
+    p.add_argument("--train-iters", type=positive_int, default=200, help="optimizer steps per variant")
+    p.add_argument("--log-interval", type=positive_int, default=10, help="steps per measurement interval")
+    p.add_argument("--eval-iters", type=positive_int, default=10,
+                   help="validation batches for the final perplexity")
+    p.add_argument("--nproc", type=positive_int, default=1, help="processes per run (torchrun) on this host")
+    p.add_argument("--mock-data", action="store_true", help="megatron-core mock data instead of the embedded corpus")
+    p.add_argument("--warmup-intervals", type=non_negative_int, default=1,
+                   help="log intervals left out of AL/PCU/TT/AEC/AMU (compilation, allocator warm-up); all are "
+                        "used when a run has no more than this many")
+    p.add_argument("--timeout", type=positive_int, default=3600, help="seconds per variant run")
+    p.add_argument("--time-budget", type=positive_float, default=None,
+                   help="start no new variant after this many seconds; run the same command again to continue")
+    p.add_argument("--rerun", default="", help="comma list of variants to run again even if recorded as done")
+    p.add_argument("--variant-flags", action="append", default=[], metavar="NAME=FLAGS",
+                   help="extra litespark-train flags for one variant, e.g. moe='--num-experts 4'")
+    return p
+
+
+def parse_settings(argv: Sequence[str]) -> Settings:
+    argv = list(argv)
+    shared = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    ns = _build_parser().parse_args(own)
+    names = parse_variant_names(ns.variants)
+    rerun = [n.strip() for n in ns.rerun.split(",") if n.strip()]
+    unknown = [n for n in rerun if n not in VARIANTS]
+    if unknown:
+        raise UserError(f"--rerun: unknown variant(s) {', '.join(unknown)}; choose from: {', '.join(VARIANTS)}")
+    variant_flags: Dict[str, List[str]] = {}
+    for item in ns.variant_flags:
+        name, sep, flags = item.partition("=")
+        if not sep or name not in VARIANTS:
+            raise UserError(f"--variant-flags {item!r}: expected NAME=FLAGS with NAME one of {', '.join(VARIANTS)}")
+        variant_flags.setdefault(name, []).extend(shlex.split(flags))
+    for flag in shared + [f for flags in variant_flags.values() for f in flags]:
+        key = flag.split("=", 1)[0]
+        if key in RESERVED_FLAGS:
+            raise UserError(f"{key} is set by the suite (per variant, or by its own --precision/--train-iters/"
+                            f"--log-interval/--eval-iters options): leave it out of the litespark-train flags")
+    if ns.model not in config_lib.PRESETS:
+        raise UserError(f"unknown model preset '{ns.model}'; choose one of: {', '.join(config_lib.PRESETS)}")
+    return Settings(out=Path(ns.out), model=ns.model, variants=names, precision=ns.precision,
+                    train_iters=ns.train_iters, log_interval=ns.log_interval, eval_iters=ns.eval_iters,
+                    nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
+                    timeout=ns.timeout, time_budget=ns.time_budget, rerun=rerun, variant_flags=variant_flags,
+                    shared=shared)
+
+
+# --------------------------------------------------------------------------------------------- validation
+def _resolve_quietly(argv: List[str]):
+    """config.resolve, with argparse's usage block reduced to its one error line."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return config_lib.resolve(argv)
+    except SystemExit:
+        lines = [l for l in err.getvalue().splitlines() if "error:" in l]
+        raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "invalid litespark-train flags") \
+            from None
+
+
+def plan(settings: Settings, plat) -> Dict[str, dict]:
+    """Each requested variant's litespark-train flags and resolved configuration, validated for this machine and
+    --nproc. Raises UserError listing every variant that cannot run (nothing has run yet)."""
+    cuda = plat.device_type == "cuda"
+    base = _resolve_quietly(settings.base_flags() + PRECISIONS[settings.precision])
+    config_lib.validate(base, settings.nproc, cuda=cuda, te=plat.te, fp8_capable=plat.fp8_capable)
+    te = config_lib.resolved_backend(base, cuda=cuda, te=plat.te) == "te"
+    planned, problems = {}, []
+    for name in settings.variants:
+        variant = VARIANTS[name]
+        try:
+            flags = settings.base_flags() + PRECISIONS[variant.precision or settings.precision] + \
+                variant.flags(base, te) + settings.variant_flags.get(name, [])
+            args = _resolve_quietly(flags)
+            config_lib.validate(args, settings.nproc, cuda=cuda, te=plat.te, fp8_capable=plat.fp8_capable)
+        except UserError as e:
+            problems.append(f"variant '{name}' cannot run here: {e}")
+            continue
+        resolved = {k: v for k, v in sorted(vars(args).items()) if k != "preset_fields"}
+        key = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        planned[name] = dict(flags=flags, key=key, args=args)
+    if problems:
+        raise UserError("\n".join(problems))
+    return planned
+
+
+# --------------------------------------------------------------------------------------------- state
+def load_state(out: Path, identity: dict) -> dict:
+    path = out / STATE_FILE
+    if not path.exists():
+        return dict(version=STATE_VERSION, settings=identity, variants={})
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable suite state ({e}); delete it to start the suite over") from None
+    if state.get("version") != STATE_VERSION or not isinstance(state.get("variants"), dict):
+        raise UserError(f"{path}: not a suite state this version writes; delete it to start the suite over")
+    if state.get("settings") != identity:
+        old = state.get("settings") or {}
+        differ = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
+        raise UserError(f"{out} holds a suite with other settings (different: {', '.join(differ)}); use another "
+                        f"--out, or the same settings to continue it")
+    return state
+
+
+def save_state(out: Path, state: dict) -> None:
+    tmp = out / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, out / STATE_FILE)
+
+
+# --------------------------------------------------------------------------------------------- running
+def classify_failure(returncode, log_text: str) -> str:
+    """'oom' when the run's output shows the GPU running out of memory, else 'failed'."""
+    return "oom" if OOM_PATTERNS.search(log_text or "") else "failed"
+
+
+def failure_summary(returncode, log_text: str) -> str:
+    """One line saying why a run ended badly: the trainer's own error line, an OOM line, or the last output."""
+    lines = [l.strip() for l in (log_text or "").splitlines() if l.strip()]
+    for pattern in (r"^litespark-train: error: ", None):
+        if pattern:
+            hits = [l for l in lines if re.match(pattern, l)]
+        else:
+            hits = [l for l in lines if OOM_PATTERNS.search(l)]
+        if hits:
+            return hits[-1][:400]
+    if isinstance(returncode, int) and returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    if returncode == "timeout":
+        return "timed out"
+    return (" | ".join(lines[-3:]) or f"exit status {returncode}")[-400:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> dict:
+    """One fresh litespark-train run; returns the state entry (status done / oom / failed)."""
+    run_dir = settings.out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a half-done run's metrics would otherwise be appended to
+    run_dir.mkdir(parents=True)
+    argv = flags + ["--metrics-file", str(run_dir / "metrics.jsonl"), "--tensorboard-dir", str(run_dir / "tb")]
+    if settings.nproc == 1:
+        cmd = [sys.executable, "-m", "litespark_megatron", *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(settings.nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "litespark_megatron", *argv]
+    started = time.time()
+    with open(run_dir / "log.txt", "w") as out:
+        out.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=settings.timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            rc = "timeout"
+        except BaseException:  # the suite itself is interrupted: leave no training process behind on the GPU
+            _stop(proc)
+            raise
+    text = (run_dir / "log.txt").read_text(errors="replace")
+    entry = dict(flags=flags, returncode=rc, seconds=round(time.time() - started, 1))
+    if rc == 0 and _completed(run_dir / "metrics.jsonl"):
+        entry["status"] = "done"
+    else:
+        entry["status"] = classify_failure(rc, text) if rc != 0 else "failed"
+        entry["error"] = failure_summary(rc, text) if rc != 0 else "the run ended without its final record"
+    return entry
+
+
+def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM first (torchrun forwards it to its workers), SIGKILL if the run has not ended after `grace` s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _records(metrics: Path) -> List[dict]:
+    out = []
+    for line in metrics.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a crash: the run is then incomplete anyway
+    return out
+
+
+def _completed(metrics: Path) -> bool:
+    """A run is complete when its end-of-run summary record (kind run, with `iterations`) is in the file."""
+    return metrics.exists() and any(r.get("kind") == "run" and "iterations" in r for r in _records(metrics))
+
+
+# --------------------------------------------------------------------------------------------- measurements
+def _weighted(values, weights) -> Optional[float]:
+    pairs = [(v, w) for v, w in zip(values, weights) if v is not None]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if pairs and total > 0 else None
+
+
+def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_override: Optional[int] = None) -> dict:
+    """The EfficientLLM numbers of one run from its metrics.jsonl records (docs/metrics.md, "EfficientLLM metrics").
+
+    Intervals are the trainer's log intervals; each lasts step_time_s x its steps. The first `warmup_intervals` are
+    left out when more remain. Time averages weight each interval by its seconds. None: not measured."""
+    start = next((r for r in records if r.get("kind") == "run" and "params" in r), {})
+    end = next((r for r in reversed(records) if r.get("kind") == "run" and "iterations" in r), {})
+    train = [r for r in records if r.get("kind") == "train"]
+    intervals, previous = [], 0
+    for r in train:
+        steps = r["step"] - previous
+        previous = r["step"]
+        if steps > 0 and r.get("step_time_s") is not None:
+            intervals.append((r, steps, r["step_time_s"] * steps))
+    used = intervals[warmup_intervals:] if len(intervals) > warmup_intervals else intervals
+    seconds = [s for _, _, s in used]
+    steps = sum(n for _, n, _ in used)
+    total_s = sum(seconds)
+    tokens = [r["tokens_per_sec"] * s for r, _, s in used]
+    params = params_override or start.get("params")
+    world = start.get("world_size") or 1
+    gpus = [r.get("num_gpus") or 0 for r, _, _ in used]
+
+    power_total = [r["gpu_power_w"] * g if r.get("gpu_power_w") is not None and g else None
+                   for (r, _, _), g in zip(used, gpus)]
+    measured_tokens = [t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None]
+    joules = sum(r["joules_per_token"] * t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None)
+    val = [r for r in records if r.get("kind") == "val"]
+    out = dict(
+        params=params,
+        world_size=world,
+        intervals_used=len(used),
+        intervals_total=len(intervals),
+        steps_measured=steps,
+        al_s=total_s / steps if steps else None,
+        tokens_per_sec=sum(tokens) / total_s if total_s else None,
+        tt=(sum(tokens) / total_s / params) if total_s and params else None,
+        pcu=_weighted([r.get("mfu") for r, _, _ in used], seconds),
+        pcu_causal=_weighted([r.get("mfu_causal") for r, _, _ in used], seconds),
+        amu_gb=_weighted([r.get("mem_reserved_gb") for r, _, _ in used], seconds),
+        peak_mem_gb=max((r["mem_max_allocated_gb"] for r, _, _ in used
+                         if r.get("mem_max_allocated_gb") is not None), default=None),
+        aec_w=_weighted(power_total, seconds),
+        aec_w_per_gpu=_weighted([r.get("gpu_power_w") for r, _, _ in used], seconds),
+        j_per_token=joules / sum(measured_tokens) if measured_tokens else None,
+        energy_intervals_measured=len(measured_tokens),
+        host_rss_gb=_weighted([r.get("host_rss_gb") for r, _, _ in used], seconds),
+        val_loss=end.get("val_loss", val[-1]["loss"] if val else None),
+        val_ppl=end.get("val_ppl", val[-1]["ppl"] if val else None),
+        final_train_loss=end.get("final_loss"),
+        skipped_steps=end.get("skipped_steps"),
+        energy_kwh=end.get("energy_kwh"),
+    )
+    return out
+
+
+def _params_of(args, run_config: Optional[Path] = None) -> dict:
+    """Total and active (MoE: top-k experts) parameters of the whole model, counted from its shape. The vocabulary
+    is the run's own when its resolved config.yaml exists (it follows the data's tokenizer unless given)."""
+    from .metrics.flops import ModelShape, param_count
+
+    vocab = args.vocab_size
+    if run_config is not None and run_config.exists():
+        import yaml
+
+        vocab = (yaml.safe_load(run_config.read_text()) or {}).get("vocab_size") or vocab
+    count = param_count(ModelShape.from_args(args, padded_vocab=config_lib.padded_vocab_size(
+        vocab, args.make_vocab_size_divisible_by)))
+    return dict(total=count.total, active=count.active)
+
+
+# --------------------------------------------------------------------------------------------- report
+METRICS = (  # (key, column title, format) in table order
+    ("val_ppl", "PPL", "{:.2f}"),
+    ("amu_gb", "AMU (GB)", "{:.2f}"),
+    ("pcu", "PCU", "{:.1%}"),
+    ("al_s", "AL (s/it)", "{:.4f}"),
+    ("tt", "TT (tok/param/s)", "{:.3g}"),
+    ("aec_w", "AEC (W)", "{:.0f}"),
+    ("j_per_token", "J/token", "{:.4g}"),
+    ("tokens_per_sec", "tokens/s", "{:,.0f}"),
+    ("peak_mem_gb", "peak alloc (GB)", "{:.2f}"),
+)
+CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_active", "val_ppl", "val_loss",
+              "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w", "aec_w_per_gpu",
+              "j_per_token", "energy_kwh", "host_rss_gb", "intervals_used", "steps_measured", "error", "flags")
+
+
+def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> List[dict]:
+    rows = []
+    for name in settings.variants:
+        entry = state["variants"].get(name, {})
+        source = entry.get("same_as") or name
+        source_entry = state["variants"].get(source, {})
+        row = dict(variant=name, what=VARIANTS[name].what, status=source_entry.get("status", "not run"),
+                   same_run_as=entry.get("same_as"), flags=" ".join(planned[name]["flags"]),
+                   error=source_entry.get("error"))
+        args = planned[name]["args"]
+        counts = _params_of(args, settings.out / "runs" / source / "tb" / "config.yaml")
+        metrics = settings.out / "runs" / source / "metrics.jsonl"
+        if row["status"] == "done" and metrics.exists():
+            records = _records(metrics)
+            world = next((r.get("world_size") for r in records if r.get("kind") == "run" and "params" in r), 1)
+            # The run record counts rank 0's parameters: the whole model only on one process.
+            override = counts["total"] if (world or 1) > 1 else None
+            row.update(summarize_metrics(records, settings.warmup_intervals, params_override=override))
+            row["params_source"] = "run record" if override is None else "parameter count of the shape"
+        else:
+            row["params"] = counts["total"]
+            row["params_source"] = "parameter count of the shape"
+        # MoE: the parameters one token runs through (router, top-k experts, shared experts, the rest).
+        row["params_active"] = counts["active"] if args.num_experts else row["params"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "not measured"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "n/a"
+    return spec.format(value)
+
+
+def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
+    head = ["variant", "params"] + [title for _, title, _ in METRICS] + ["status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        params = f"{r['params'] / 1e6:,.1f}M" if r.get("params") else "?"
+        if r.get("params_active") and r.get("params") and r["params_active"] != r["params"]:
+            params += f" ({r['params_active'] / 1e6:,.1f}M active)"
+        status = r["status"] + (f" (same run as {r['same_run_as']})" if r.get("same_run_as") else "")
+        if r["status"] != "done":
+            cells = [r["status"].upper() if r["status"] == "oom" else "-" for _ in METRICS]
+            status += f": {r.get('error') or ''}".rstrip(": ")
+        else:
+            cells = [_fmt(r.get(key), spec) for key, _, spec in METRICS]
+        lines.append("| " + " | ".join([r["variant"], params] + cells + [status.replace("|", "/")]) + " |")
+    notes = [
+        f"Base `{settings.model}`, {settings.train_iters} steps per variant, precision {settings.precision} unless "
+        f"the variant is a precision, {settings.nproc} process(es) on {device}; shared flags: "
+        f"`{' '.join(settings.shared) or '(none)'}`.",
+        f"Intervals of {settings.log_interval} steps; the first {settings.warmup_intervals} left out of the time "
+        f"averages when more remain. PPL: validation perplexity at the end ({settings.eval_iters} batches). "
+        "AMU: time-averaged GPU memory reserved; PCU: time-averaged MFU (model FLOPs, attention counted in full, "
+        "dense BF16 peak for FP8); AL: seconds per iteration; TT: tokens / parameter / second (total parameters); "
+        "AEC: time-averaged GPU power of the job; J/token: GPU energy per training token. Definitions: "
+        "docs/metrics.md, 'EfficientLLM metrics'.",
+        "\"not measured\": the trainer could not measure it on this machine (GPU memory, MFU and power need a GPU; "
+        "MFU needs a known peak or --peak-tflops).",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
+
+
+def write_json_csv(rows: List[dict], settings: Settings, device: str) -> None:
+    doc = dict(settings=settings.identity() | dict(variants=settings.variants, warmup_intervals=settings.warmup_intervals),
+               device=device, definitions_doc="docs/metrics.md#efficientllm-metrics",
+               variants=[{k: v for k, v in r.items()} for r in rows])
+    (settings.out / "efficiency.json").write_text(json.dumps(doc, indent=1, default=str))
+    with open(settings.out / "efficiency.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+
+
+def write_plots(rows: List[dict], out: Path) -> List[Path]:
+    """PNG trade-off plots. A variant whose metric was not measured (or whose run failed) is left out, and the
+    figure says so; a plot with no measured point at all is still written, saying why it is empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = out / "plots"
+    shutil.rmtree(plots, ignore_errors=True)
+    plots.mkdir(parents=True)
+    # One point/bar per training run: variants measured by the same run share it ("dense=gqa").
+    done, failed = [], [f"{r['variant']} ({r['status']})" for r in rows if r["status"] != "done"]
+    names = {r["variant"] for r in rows}
+    for r in rows:
+        if r["status"] == "done" and r.get("same_run_as") not in names:
+            twins = [t["variant"] for t in rows if t.get("same_run_as") == r["variant"]]
+            done.append(dict(r, variant="=".join([r["variant"]] + twins)))
+    written = []
+
+    def finish(fig, ax, name, left_out, title):
+        notes = []
+        if left_out:
+            notes.append("not measured (GPU memory, MFU and power need a GPU), left out: " + ", ".join(left_out))
+        if failed:
+            notes.append("no result: " + ", ".join(failed))
+        if notes:
+            fig.text(0.01, 0.01, "\n".join(notes), fontsize=8, color="0.35", va="bottom", wrap=True)
+        ax.set_title(title)
+        fig.tight_layout(rect=(0, 0.06 * len(notes), 1, 1))
+        path = plots / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    def scatter(xkey, ykey, xlabel, ylabel, name, title):
+        fig, ax = plt.subplots(figsize=(7, 5))
+        have = [r for r in done if r.get(xkey) is not None and r.get(ykey) is not None]
+        left_out = [r["variant"] for r in done if r not in have]
+        for r in have:
+            ax.scatter(r[xkey], r[ykey], s=60)
+            ax.annotate(r["variant"], (r[xkey], r[ykey]), textcoords="offset points", xytext=(6, 4))
+        if not have:
+            ax.text(0.5, 0.5, "no variant has both values measured", ha="center", va="center",
+                    transform=ax.transAxes, color="0.4")
+        ax.margins(0.15)  # room for the labels of the outermost points
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        finish(fig, ax, name, left_out, title)
+
+    def bars(key, label, name, title, scale=1.0):
+        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(done) + 2), 4.5))
+        have = [r for r in done if r.get(key) is not None]
+        left_out = [r["variant"] for r in done if r not in have]
+        ax.bar([r["variant"] for r in have], [r[key] * scale for r in have], color="tab:blue")
+        for i, r in enumerate(have):
+            ax.annotate(f"{r[key] * scale:.3g}", (i, r[key] * scale), ha="center", va="bottom", fontsize=8)
+        if not have:
+            ax.text(0.5, 0.5, "not measured for any variant", ha="center", va="center", transform=ax.transAxes,
+                    color="0.4")
+        ax.set_ylabel(label)
+        if len(have) > 5:
+            ax.tick_params(axis="x", labelrotation=20)
+        ax.grid(axis="y", alpha=0.3)
+        finish(fig, ax, name, left_out, title)
+
+    scatter("j_per_token", "val_ppl", "GPU energy per training token (J)", "validation perplexity",
+            "ppl_vs_joules_per_token.png", "Perplexity vs energy (lower-left is better)")
+    scatter("al_s", "amu_gb", "AL: seconds per iteration", "AMU: time-averaged GPU memory (GB)",
+            "memory_vs_latency.png", "Memory vs latency (lower-left is better)")
+    bars("pcu", "PCU: time-averaged MFU (%)", "pcu_per_variant.png", "Compute utilization per variant", scale=100)
+    bars("al_s", "AL: seconds per iteration", "latency_per_variant.png", "Latency per variant")
+    bars("tt", "TT: tokens / parameter / second", "tt_per_variant.png", "Training throughput per parameter")
+    bars("val_ppl", "validation perplexity", "ppl_per_variant.png", "Perplexity after the same steps")
+    return written
+
+
+def write_tensorboard(rows: List[dict], out: Path, table: str) -> None:
+    """One TensorBoard run per variant under OUT/tb/<variant>: scalars suite/<metric> (measured ones only) at the
+    step count, the flags as text; OUT/tb/summary holds the table."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = out / "tb"
+    shutil.rmtree(tb, ignore_errors=True)  # rewritten from the state every time: no duplicated points
+    for r in rows:
+        writer = SummaryWriter(log_dir=str(tb / r["variant"]))
+        step = r.get("steps_measured") or 0
+        if r["status"] == "done":
+            for key in ("val_ppl", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec",
+                        "aec_w", "aec_w_per_gpu", "j_per_token", "params"):
+                value = r.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    writer.add_scalar(f"suite/{key}", value, step)
+        writer.add_text("suite/config", f"status: {r['status']}\n\n`{r['flags']}`", step)
+        writer.close()
+    writer = SummaryWriter(log_dir=str(tb / "summary"))
+    writer.add_text("suite/table", table, 0)
+    writer.close()
+
+
+def write_report(settings: Settings, planned: Dict[str, dict], state: dict, device: str) -> List[dict]:
+    rows = collect_rows(settings, planned, state)
+    table = markdown_table(rows, settings, device)
+    (settings.out / "efficiency.md").write_text(f"# Efficiency suite: {settings.model}\n\n" + table)
+    write_json_csv(rows, settings, device)
+    write_plots(rows, settings.out)
+    write_tensorboard(rows, settings.out, table)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- main
+def run_suite(settings: Settings, log=print) -> int:
+    from . import platform
+
+    plat = platform.detect()
+    planned = plan(settings, plat)  # raises before anything runs
+    settings.out.mkdir(parents=True, exist_ok=True)
+    state = load_state(settings.out, settings.identity())
+    device = f"{plat.device_name} ({plat.device_type})"
+    # Variants that resolve to the same configuration (e.g. dense and gqa on a GQA preset) are measured once.
+    def kept(name: str, entry: dict) -> bool:
+        """A recorded outcome a resumed suite keeps: done with its complete metrics, or out of memory."""
+        if entry.get("same_as") or name in settings.rerun or entry.get("status") not in FINAL:
+            return False
+        return entry["status"] == "oom" or _completed(settings.out / "runs" / name / "metrics.jsonl")
+
+    runner_for = {}
+    for name, entry in state["variants"].items():
+        if kept(name, entry):
+            runner_for.setdefault(entry.get("key"), name)
+    t0, stopped = time.time(), []
+    for name in settings.variants:
+        key = planned[name]["key"]
+        entry = state["variants"].get(name, {})
+        runner = runner_for.get(key)
+        if runner and runner != name:
+            state["variants"][name] = dict(key=key, same_as=runner, flags=planned[name]["flags"])
+            save_state(settings.out, state)
+            log(f"{name}: same configuration as {runner}, measured once")
+            continue
+        runner_for.setdefault(key, name)
+        if kept(name, entry) and entry.get("key") == key:
+            log(f"{name}: already {entry['status']}, skipped")
+            continue
+        if settings.time_budget is not None and time.time() - t0 > settings.time_budget:
+            stopped.append(name)
+            continue
+        state["variants"][name] = dict(key=key, status="running", flags=planned[name]["flags"],
+                                       started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        save_state(settings.out, state)  # a crash from here on leaves it 'running': the next invocation re-runs it
+        log(f"{name}: training ({VARIANTS[name].what}) ...")
+        result = run_variant(settings, name, planned[name]["flags"])
+        state["variants"][name] = dict(key=key, **result)
+        save_state(settings.out, state)
+        log(f"{name}: {result['status']} in {result['seconds']:.0f} s" +
+            (f": {result['error']}" if result.get("error") else ""))
+    rows = write_report(settings, planned, state, device)
+    log((settings.out / "efficiency.md").read_text())
+    log(f"wrote {settings.out / 'efficiency.md'}, efficiency.json, efficiency.csv, plots/, tb/")
+    if stopped:
+        log(f"--time-budget reached: not started {', '.join(stopped)}; run the same command again to continue")
+        return 3
+    return 0 if all(r["status"] == "done" for r in rows) else 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .platform import quiet_library_noise
+
+    quiet_library_noise()
+    # A SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so the running variant's process is stopped too.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        settings = parse_settings(sys.argv[1:] if argv is None else argv)
+        return run_suite(settings)
+    except UserError as e:
+        for line in str(e).splitlines():
+            print(f"efficiency_suite: error: {line}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("efficiency_suite: interrupted; the variant that was running will run again when the same command "
+              "is repeated", file=sys.stderr, flush=True)
+        return 130

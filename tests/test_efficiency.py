@@ -1,0 +1,271 @@
+"""The efficiency suite (tools/efficiency_suite.py): end to end on CPU, resume, bad input, OOM, the metric formulas."""
+import json
+import shutil
+import sys
+
+import pytest
+
+from conftest import ROOT, child_env, run
+
+SUITE = [sys.executable, str(ROOT / "tools" / "efficiency_suite.py")]
+OWN = ["--model", "tiny", "--variants", "gqa,mqa", "--mock-data", "--train-iters", "4", "--log-interval", "2",
+       "--eval-iters", "1"]
+SHARED = ["--", "--seq-length", "32", "--vocab-size", "128", "--global-batch-size", "4", "--micro-batch-size", "2"]
+PLOTS = ("ppl_vs_joules_per_token.png", "memory_vs_latency.png", "pcu_per_variant.png", "latency_per_variant.png",
+         "tt_per_variant.png", "ppl_per_variant.png")
+GPU_ONLY = ("amu_gb", "pcu", "aec_w", "j_per_token", "peak_mem_gb")
+
+
+def suite(out, *argv, timeout=300):
+    return run([*SUITE, "--out", out, *argv], timeout=timeout, env=child_env())
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("suite") / "out"
+    proc = suite(out, *OWN, *SHARED)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_end_to_end_writes_table_json_csv_plots_and_tensorboard(finished):
+    out, proc = finished
+    table = (out / "efficiency.md").read_text()
+    for name in ("gqa", "mqa"):
+        row = next(l for l in table.splitlines() if l.startswith(f"| {name} |"))
+        assert row.count("not measured") == 5, row  # AMU, PCU, AEC, J/token, peak alloc: GPU-only on CPU
+        assert row.rstrip().endswith("| done |")
+    doc = json.loads((out / "efficiency.json").read_text())
+    rows = {r["variant"]: r for r in doc["variants"]}
+    assert list(rows) == ["gqa", "mqa"]
+    for r in rows.values():
+        assert all(r[k] is None for k in GPU_ONLY), r
+        assert r["al_s"] > 0 and r["tokens_per_sec"] > 0 and 1 < r["val_ppl"] < 1000
+        assert r["tt"] == pytest.approx(r["tokens_per_sec"] / r["params"], rel=1e-12)
+        assert r["params_active"] == r["params"]  # dense: the shape's count agrees with the built model's
+        assert r["intervals_used"] == 1 and r["intervals_total"] == 2  # the warm-up interval is left out
+    # MQA has one KV head where GQA has two: fewer K/V projection weights, 4 layers x 2 x (128 x 32) of them.
+    assert rows["gqa"]["params"] - rows["mqa"]["params"] == 4 * 2 * 128 * 32
+    csv_lines = (out / "efficiency.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("variant,status,") and len(csv_lines) == 3
+    for name in PLOTS:
+        assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    for name in ("gqa", "mqa", "summary"):
+        assert list((out / "tb" / name).glob("events.out.tfevents.*")), name
+    state = json.loads((out / "suite_state.json").read_text())
+    assert {n: v["status"] for n, v in state["variants"].items()} == {"gqa": "done", "mqa": "done"}
+
+
+def test_al_and_ppl_are_the_trainers_numbers(finished):
+    """AL is the trainer's step time over the measured interval; PPL its final validation perplexity."""
+    out, _ = finished
+    records = [json.loads(l) for l in (out / "runs" / "gqa" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    row = next(r for r in json.loads((out / "efficiency.json").read_text())["variants"] if r["variant"] == "gqa")
+    assert row["al_s"] == pytest.approx(train[1]["step_time_s"], rel=1e-12)
+    assert row["val_ppl"] == next(r for r in records if r["kind"] == "run" and "iterations" in r)["val_ppl"]
+
+
+def test_resume_runs_only_what_is_missing(finished, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished[0], out)
+    # mqa was interrupted half-way: its state says running, its metrics stop after the first interval.
+    state_file = out / "suite_state.json"
+    state = json.loads(state_file.read_text())
+    state["variants"]["mqa"] = dict(state["variants"]["mqa"], status="running")
+    state_file.write_text(json.dumps(state))
+    metrics = out / "runs" / "mqa" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]) + '{"step": 4, "kind": "tr')
+    gqa_metrics = out / "runs" / "gqa" / "metrics.jsonl"
+    before = gqa_metrics.stat().st_mtime_ns
+    proc = suite(out, *OWN, *SHARED)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gqa: already done, skipped" in proc.stdout
+    assert "mqa: training" in proc.stdout and "gqa: training" not in proc.stdout
+    assert gqa_metrics.stat().st_mtime_ns == before
+    assert sum('"kind": "run"' in l and '"iterations"' in l for l in metrics.read_text().splitlines()) == 1
+    assert json.loads(state_file.read_text())["variants"]["mqa"]["status"] == "done"
+
+
+def test_other_settings_in_the_same_out_are_refused(finished):
+    out, _ = finished
+    proc = suite(out, *OWN[:-1], "2", *SHARED)  # --eval-iters 2 instead of 1
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"efficiency_suite: error: {out} holds a suite with other settings (different: "
+                                   f"eval_iters); use another --out, or the same settings to continue it")
+
+
+def test_unknown_variant_is_refused_before_any_work(tmp_path):
+    proc = suite(tmp_path / "out", "--variants", "gqa,flash", "--model", "tiny")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("efficiency_suite: error: unknown variant 'flash'; choose from: dense, mha, gqa, "
+                                   "mqa, mla, moe, nope, bf16, fp16, fp8 (or 'all')")
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp8_on_cpu_is_refused_before_any_work(tmp_path):
+    proc = suite(tmp_path / "out", "--variants", "gqa,fp8", "--model", "tiny", "--mock-data")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "efficiency_suite: error: variant 'fp8' cannot run here: FP8 (--fp8-format) needs Transformer Engine, which "
+        "is not importable here: pip install 'litespark-megatron[te]' on a GPU machine, or drop --fp8-format")
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_variant_the_layout_cannot_run_is_named():
+    """TP2: MQA (one KV head) and MLA (TP without sequence parallelism) cannot run; the others can."""
+    from litespark_megatron import efficiency, platform
+    from litespark_megatron.config import UserError
+
+    settings = efficiency.parse_settings(["--out", "unused", "--model", "tiny", "--variants", "all", "--nproc", "2",
+                                          "--", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(UserError) as e:
+        efficiency.plan(settings, platform.detect())
+    lines = str(e.value).splitlines()
+    assert [l.split("'")[1] for l in lines] == ["mqa", "mla", "moe", "fp8"]
+    assert "MQA has one KV head" in lines[0] and "needs --sequence-parallel" in lines[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "gqa", "--", "--save", "x"], "--save is set by the suite"),
+    (["--variants", "gqa", "--", "--bf16"], "--bf16 is set by the suite"),
+    (["--variants", "gqa", "--variant-flags", "fast=--lr 1"], "expected NAME=FLAGS with NAME one of"),
+    (["--variants", "gqa", "--rerun", "gpa"], "--rerun: unknown variant(s) gpa"),
+    (["--variants", "gqa", "--model", "gpt-5"], "unknown model preset 'gpt-5'"),
+])
+def test_bad_options(argv, message):
+    from litespark_megatron import efficiency
+    from litespark_megatron.config import UserError
+
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        efficiency.parse_settings(["--out", "unused", *argv])
+
+
+# --------------------------------------------------------------------------------------------- OOM
+TORCH_OOM = """step      1/20 | loss 10.2 | lr 1.00e-05 | grad 3.1 | 30,000 tok/s | 400.0 TFLOP/s/GPU | MFU 40.4%
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "megatron/core/transformer/moe/experts.py", line 301, in forward
+[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 1.12 GiB is free.
+E1122 08:00:00.000000 1234 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)
+"""
+CUBLAS_OOM = "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`\n"
+CONFIG_ERROR = "litespark-train: error: --global-batch-size 6 is not divisible by micro-batch x data-parallel\n"
+
+
+def test_oom_is_told_apart_from_other_failures():
+    from litespark_megatron.efficiency import classify_failure, failure_summary
+
+    assert classify_failure(1, TORCH_OOM) == "oom"
+    assert failure_summary(1, TORCH_OOM).startswith("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried")
+    assert classify_failure(1, CUBLAS_OOM) == "oom"
+    assert classify_failure(2, CONFIG_ERROR) == "failed"
+    assert failure_summary(2, CONFIG_ERROR) == CONFIG_ERROR.strip()
+    assert classify_failure(-9, "step 1/20 ...\n") == "failed"
+    assert failure_summary(-9, "step 1/20 ...\n") == "killed by signal SIGKILL"
+    assert failure_summary("timeout", "") == "timed out"
+
+
+def test_an_oom_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    """run_suite with the runs replaced: mqa runs out of memory, gqa (after it) still runs; the table says OOM."""
+    from litespark_megatron import efficiency
+
+    ran = []
+
+    def fake_run(settings, name, flags, log=print):
+        ran.append(name)
+        run_dir = settings.out / "runs" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if name == "mqa":
+            (run_dir / "log.txt").write_text(TORCH_OOM)
+            return dict(flags=flags, returncode=1, seconds=1.0, status=efficiency.classify_failure(1, TORCH_OOM),
+                        error=efficiency.failure_summary(1, TORCH_OOM))
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in gpu_records()) + "\n")
+        return dict(flags=flags, returncode=0, seconds=1.0, status="done")
+
+    monkeypatch.setattr(efficiency, "run_variant", fake_run)
+    settings = efficiency.parse_settings(["--out", str(tmp_path / "out"), "--model", "tiny", "--variants",
+                                          "mqa,gqa", "--mock-data", "--train-iters", "30", "--log-interval", "10"])
+    assert efficiency.run_suite(settings, log=lambda *a: None) == 1
+    assert ran == ["mqa", "gqa"]
+    table = (tmp_path / "out" / "efficiency.md").read_text()
+    assert "| mqa |" in table and "| OOM | OOM |" in table and "oom: [rank0]: torch.OutOfMemoryError" in table
+    # A second invocation keeps the OOM outcome (it would only run out of memory again) and the finished run.
+    ran.clear()
+    assert efficiency.run_suite(settings, log=lambda *a: None) == 1
+    assert ran == []
+
+
+# --------------------------------------------------------------------------------------------- formulas
+def gpu_records():
+    """A 30-step GPU run logged every 10 steps (1 GPU, 1,000,000 parameters, 4096 tokens per step)."""
+    def train(step, step_time, mfu, reserved, peak, power, jpt):
+        return dict(step=step, kind="train", step_time_s=step_time, tokens_per_sec=4096 / step_time, mfu=mfu,
+                    mfu_causal=mfu * 0.9, mem_reserved_gb=reserved, mem_max_allocated_gb=peak, gpu_power_w=power,
+                    joules_per_token=jpt, num_gpus=1)
+    return [dict(step=0, kind="run", params=1_000_000, world_size=1),
+            train(10, 9.0, 0.01, 1.0, 0.5, 100.0, 1.0),  # warm-up interval: left out
+            train(20, 1.0, 0.40, 10.0, 8.0, 600.0, 0.2),
+            train(30, 3.0, 0.20, 12.0, 9.0, 500.0, 0.3),
+            dict(step=30, kind="val", loss=2.0, ppl=7.389),
+            dict(step=30, kind="run", iterations=30, val_loss=2.0, val_ppl=7.389, final_loss=2.1,
+                 skipped_steps=0, energy_kwh=0.001)]
+
+
+def test_metric_definitions_on_known_numbers():
+    from litespark_megatron.efficiency import summarize_metrics
+
+    m = summarize_metrics(gpu_records(), warmup_intervals=1)
+    # Measured intervals: 10 s (10 steps x 1 s) and 30 s (10 steps x 3 s); 40,960 tokens each.
+    assert m["al_s"] == pytest.approx(40 / 20)
+    assert m["tokens_per_sec"] == pytest.approx(2 * 40960 / 40)
+    assert m["tt"] == pytest.approx(2 * 40960 / 40 / 1e6)
+    assert m["pcu"] == pytest.approx((0.40 * 10 + 0.20 * 30) / 40)
+    assert m["amu_gb"] == pytest.approx((10.0 * 10 + 12.0 * 30) / 40)
+    assert m["peak_mem_gb"] == 9.0
+    assert m["aec_w"] == pytest.approx((600 * 10 + 500 * 30) / 40)
+    assert m["j_per_token"] == pytest.approx((0.2 * 40960 + 0.3 * 40960) / (2 * 40960))
+    assert m["val_ppl"] == 7.389 and m["intervals_used"] == 2
+    everything = summarize_metrics(gpu_records(), warmup_intervals=0)
+    assert everything["al_s"] == pytest.approx((90 + 10 + 30) / 30)
+
+
+def test_interrupted_suite_stops_its_run_and_resumes(tmp_path):
+    """SIGTERM while the second variant trains: the suite stops that run (no training process is left behind),
+    and the same command then skips the finished variant and trains the interrupted one."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    out = tmp_path / "out"
+    cmd = [str(c) for c in [*SUITE, "--out", out, *OWN, *SHARED]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    state_file, deadline = out / "suite_state.json", time.time() + 120
+    while time.time() < deadline:
+        try:
+            if json.loads(state_file.read_text())["variants"].get("mqa", {}).get("status") == "running":
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the suite never started its second variant")
+    children = []
+    while time.time() < deadline and not children:  # the training process of mqa, once started
+        children = psutil.Process(proc.pid).children(recursive=True)
+        time.sleep(0.2)
+    assert children, "no training process was started for mqa"
+    time.sleep(1.0)  # let it get into its imports/training
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+    assert json.loads(state_file.read_text())["variants"]["mqa"]["status"] == "running"
+    again = suite(out, *OWN, *SHARED)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "gqa: already done, skipped" in again.stdout and "mqa: training" in again.stdout
+    assert json.loads(state_file.read_text())["variants"]["mqa"]["status"] == "done"
