@@ -1,5 +1,6 @@
 """Helpers to run code in fresh processes: megatron-core keeps global state (process groups, CPU shims), so every
 test that builds a model runs it in its own process (or torchrun group) with its own port."""
+import importlib.util
 import json
 import os
 import socket
@@ -52,3 +53,27 @@ def py():
     def _run(*argv, timeout=300, **env):
         return run([sys.executable, *argv], timeout=timeout, env=child_env(**env))
     return _run
+
+
+def load_tool(name: str):
+    """Import tools/<name>.py (the CLIs are scripts, not package modules) to call its main(argv)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", TESTS.parent / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_json(tool, argv, capsys):
+    """A tool's --json output, after checking it exited 0."""
+    assert tool.main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def run_error(tool, argv, capsys) -> str:
+    """The one line a tool prints for bad input, after checking exit code 2 and nothing on stdout."""
+    assert tool.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err  # one line: no usage block, no traceback
+    return lines[0]

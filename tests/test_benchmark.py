@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import load_tool
+
 from litespark_megatron import benchmark
 from litespark_megatron.config import resolve
 from litespark_megatron.metrics.flops import ModelShape, training_flops_per_step
@@ -15,13 +17,6 @@ from litespark_megatron.metrics.flops import ModelShape, training_flops_per_step
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TINY = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2", "--steps", "2", "--warmup", "1"]
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("tool_benchmark", ROOT / "tools" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny_flops(seq: int, gbs: int, causal: str) -> int:
@@ -50,7 +45,7 @@ def check_ok_row(row, seq: int, gbs: int):
 
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
-    rc = load_tool().main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out)])
+    rc = load_tool("benchmark").main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 1  # one system failed; the run itself completed
     report = json.loads((out / "benchmark.json").read_text())

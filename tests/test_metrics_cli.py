@@ -4,25 +4,17 @@ Hand-computed training FLOPs per token (see tests/test_flops.py for the derivati
   llama-3b   half 21,389,377,536   full 23,503,306,752   params 3,606,752,256
   llama-30b  half 203,705,548,800  full 213,520,220,160  params 32,528,943,616
 """
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from conftest import load_tool, run_error, run_json
+
 from litespark_megatron.metrics.peaks import UnknownGPUError, detect_peak, match_device, mfu
 
-ROOT = Path(__file__).resolve().parent.parent
 LLAMA_3B = {"half": 21_389_377_536, "full": 23_503_306_752, "params": 3_606_752_256}
 LLAMA_30B = {"half": 203_705_548_800, "full": 213_520_220_160, "params": 32_528_943_616}
 H100_BF16_DENSE = 989.4e12
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +25,6 @@ def mfu_tool():
 @pytest.fixture(scope="module")
 def energy_tool():
     return load_tool("energy_to_train")
-
-
-def run_json(tool, argv, capsys):
-    assert tool.main(argv + ["--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def run_error(tool, argv, capsys) -> str:
-    assert tool.main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err  # one clear line, no usage block or traceback
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,13 +4,13 @@ Hand-computed collective times, bubble fractions, TP volumes and group placement
 docs/metrics.md recomputed (so the document cannot drift from the code); the command line's errors and sweeps.
 """
 import dataclasses
-import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_tool, run_error, run_json
 
 from litespark_megatron.config import PRESETS
 from litespark_megatron.metrics.flops import ModelShape, param_count, training_flops_per_step
@@ -46,30 +46,9 @@ def preset_shape(name, **over) -> ModelShape:
     return ModelShape(**fields)
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("tool_scaling_estimate", ROOT / "tools" / "scaling_estimate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tool():
-    return load_tool()
-
-
-def run_json(tool, argv, capsys):
-    assert tool.main(argv + ["--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def run_error(tool, argv, capsys) -> str:
-    assert tool.main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err  # one line: no usage block, no traceback
-    return lines[0]
+    return load_tool("scaling_estimate")
 
 
 # ---------------------------------------------------------------------------------------------------------
