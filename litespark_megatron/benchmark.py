@@ -114,8 +114,15 @@ def build_parser():
     p.add_argument("--best-micro-batch", action="store_true",
                    help=f"try micro-batches {', '.join(map(str, MICRO_BATCH_CANDIDATES))} (those dividing the global "
                         "batch) for each system at the same tokens per step and keep the fastest that fits")
+    p.add_argument("--megatron-flags", default="",
+                   help="extra litespark-train flags for every megatron system (Litespark and stock), quoted as one "
+                        "string after an equals sign, e.g. --megatron-flags=\"--cross-entropy-loss-fusion\"")
     p.add_argument("--warmup", type=_cli.non_negative_int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=_cli.positive_int, default=10, help="timed steps")
+    p.add_argument("--profile-steps", type=_cli.non_negative_int, default=0,
+                   help="after the timed steps, run this many more under torch.profiler and report where the GPU "
+                        "time goes (GEMM, attention, optimizer, ...): a table per system in benchmark.md, top kernels "
+                        "in logs/<system>-mb<k>.profile.md; not part of the timed numbers")
     p.add_argument("--peak-tflops", type=_cli.positive_float, default=None,
                    help="dense BF16 TFLOP/s per GPU for MFU, instead of the peak table")
     p.add_argument("--timeout", type=_cli.positive_int, default=600, help="seconds per worker process")
@@ -148,7 +155,7 @@ def base_flags(opts) -> List[str]:
              "--lr", str(LR), "--min-lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
              "--weight-decay", str(WEIGHT_DECAY), "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]),
              "--adam-eps", str(EPS), "--clip-grad", str(CLIP_GRAD), "--eval-iters", "0",
-             "--train-iters", str(opts.warmup + opts.steps)]
+             "--train-iters", str(opts.warmup + opts.steps + opts.profile_steps)]
     for name in SHAPE_FLAGS:
         value = getattr(opts, name)
         if value is not None:
@@ -181,6 +188,33 @@ def check_shape(flags: List[str]):
         raise ConfigError(f"head dimension {head_dim} (--hidden-size {args.hidden_size} / --num-attention-heads "
                           f"{args.num_attention_heads}) must be even for rotary embeddings")
     return args
+
+
+def check_megatron_flags(flags: List[str], extra: str) -> None:
+    """--megatron-flags must be litespark-train flags that parse (the workers would otherwise all fail alike)."""
+    try:
+        words = shlex.split(extra)
+    except ValueError as e:
+        raise UserError(f"--megatron-flags: {e}") from None
+    if not words:
+        return
+    import io
+
+    from .config import build_parser as train_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            _, unknown = train_parser().parse_known_args(flags + words)
+    except SystemExit:  # argparse: a bad value; its last line says which
+        raise UserError(f"--megatron-flags: {_one_line(err.getvalue().strip().splitlines()[-1])}") from None
+    if unknown:
+        raise UserError(f"--megatron-flags: not litespark-train flags: {' '.join(unknown)} "
+                        "(litespark-train --help lists them)")
+    try:
+        resolve_config(flags + words)
+    except ConfigError as e:  # presets, spec and backend names
+        raise UserError(f"--megatron-flags: {e}") from None
 
 
 def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
@@ -269,8 +303,9 @@ def run_worker(name: str, flags: List[str], mbs: int, gbs: int, opts, log_dir: P
     """One system at one micro-batch size in a fresh process; its result dict (status ok/failed/oom/timeout)."""
     stem = f"{name}-mb{mbs}"
     result_path, log_path = log_dir / f"{stem}.json", log_dir / f"{stem}.log"
-    spec = dict(system=name, flags=flags + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
-                warmup=opts.warmup, steps=opts.steps)
+    extra = shlex.split(opts.megatron_flags) if SYSTEMS[name].kind == "megatron" else []
+    spec = dict(system=name, flags=flags + extra + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
+                warmup=opts.warmup, steps=opts.steps, profile_steps=opts.profile_steps)
     cmd = [sys.executable, "-m", "litespark_megatron.benchmark", "--worker", json.dumps(spec), str(result_path)]
     result_path.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -293,6 +328,10 @@ def run_worker(name: str, flags: List[str], mbs: int, gbs: int, opts, log_dir: P
     if result_path.exists():
         result = json.loads(result_path.read_text())
         result_path.unlink()  # every number of it goes into benchmark.json; the log stays
+        if result.get("profile"):
+            from .metrics.profile import render
+
+            (log_dir / f"{stem}.profile.md").write_text(render(result["profile"], f"{name}, micro-batch {mbs}"))
     else:  # killed (host OOM killer, a signal) or crashed in native code before it could write
         result = dict(system=name, status="failed", reason=f"worker exited with status {rc}: {_last_line(log_path)}")
     result.update(micro_batch_size=mbs, log=str(log_path), wall_s=time.monotonic() - t0)
@@ -327,6 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gbs, candidates = micro_batch_plan(opts)
         flags = base_flags(opts)
         args = check_shape(flags)
+        check_megatron_flags(flags, opts.megatron_flags)
         out = Path(opts.out) if opts.out else None
         if out is not None:
             if out.exists() and not out.is_dir():
@@ -399,7 +439,7 @@ def build_report(rows: List[dict], systems: List[str], gbs: int, candidates: Lis
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
                                                   "joules", "energy_seconds", "energy_note", "peak_mem_gib",
                                                   "peak_mem_timed_gib", "loss_first", "loss_last", "params",
-                                                  "skipped_steps", "notes")})
+                                                  "skipped_steps", "notes", "profile")})
             entry.update(derive(c, flops[name], peak_tflops))
         results[name] = entry
     for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
@@ -527,7 +567,31 @@ def render_markdown(report: dict) -> str:
             notes.append(f"- `{r['system']}` micro-batches tried: {tried}")
     if notes:
         lines += ["", "Notes:", ""] + notes
+    lines += render_profiles(report)
     return "\n".join(lines) + "\n"
+
+
+def render_profiles(report: dict) -> List[str]:
+    """With --profile-steps: GPU time per step by category, the systems side by side (top kernels: logs/)."""
+    profiled = [r for r in report["systems"] if r["status"] == "ok" and r.get("profile")]
+    if not profiled:
+        return []
+    from .metrics.profile import category_ms
+
+    per_system = {r["system"]: category_ms(r["profile"]) for r in profiled}
+    categories = sorted({c for ms in per_system.values() for c in ms},
+                        key=lambda c: -max(ms.get(c, 0.0) for ms in per_system.values()))
+    unit = "GPU kernel" if profiled[0]["profile"]["device"] == "cuda" else "CPU operator (self)"
+    lines = ["", f"Where the time goes ({unit} ms per step under torch.profiler, "
+                 f"{_count(profiled[0]['profile']['steps'], 'step')} after the timed ones; top kernels in "
+                 "logs/<system>-mb<k>.profile.md):", "",
+             "| category | " + " | ".join(per_system) + " |", "|---|" + "---|" * len(per_system)]
+    for c in categories:
+        lines.append(f"| {c} | " + " | ".join(_fmt(ms.get(c), '.1f') for ms in per_system.values()) + " |")
+    lines.append("| **all kernels** | " + " | ".join(f"{r['profile']['kernel_ms_per_step']:.1f}"
+                                                      for r in profiled) + " |")
+    lines.append("| wall | " + " | ".join(f"{r['profile']['wall_ms_per_step']:.1f}" for r in profiled) + " |")
+    return lines
 
 
 # ============================================================================================ the worker
@@ -635,7 +699,15 @@ def _build_hf(args, cuda: bool, device):
     return model
 
 
-def run_hf(args, system: System, cuda: bool, warmup: int, steps: int) -> dict:
+def _profile(step_fn, profile_steps: int, cuda: bool) -> Optional[dict]:
+    if not profile_steps:
+        return None
+    from .metrics.profile import profile_steps as run_profiled
+
+    return run_profiled(step_fn, profile_steps, cuda)
+
+
+def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_steps: int = 0) -> dict:
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -650,7 +722,7 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int) -> dict:
     forward = torch.compile(model) if system.compile else model
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     accumulation = gbs // mbs
-    batches = token_batches(warmup + steps, gbs, args.seq_length, args.vocab_size, args.seed)
+    batches = token_batches(warmup + steps + profile_steps, gbs, args.seq_length, args.vocab_size, args.seed)
     it = iter(batches)
 
     def step() -> float:
@@ -669,6 +741,7 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int) -> dict:
         return float(total)
 
     result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
+    result["profile"] = _profile(step, profile_steps, cuda)
     result.update(params=params, skipped_steps=0, notes=[],
                   precision="bf16 (params, grads, AdamW states)" if cuda else "fp32 (CPU run)")
     return result
@@ -684,7 +757,7 @@ def _micro_batches(tokens, micro_batch_size: int):
                    loss_mask=torch.ones(mb.size(0), seq), position_ids=torch.arange(seq).expand(mb.size(0), seq))
 
 
-def run_megatron(flags: List[str], system: System, warmup: int, steps: int) -> dict:
+def run_megatron(flags: List[str], system: System, warmup: int, steps: int, profile_steps: int = 0) -> dict:
     from . import config as config_lib
     from . import model as model_lib
     from . import platform
@@ -710,7 +783,7 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int) -> d
     scheduler = optim.build_scheduler(args, optimizer)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     mbs, gbs = args.micro_batch_size, args.global_batch_size
-    batches = iter(token_batches(warmup + steps, gbs, args.seq_length, args.vocab_size, args.seed))
+    batches = iter(token_batches(warmup + steps + profile_steps, gbs, args.seq_length, args.vocab_size, args.seed))
     skipped = []
 
     def step() -> float:
@@ -721,6 +794,7 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int) -> d
         return r.loss
 
     result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
+    result["profile"] = _profile(step, profile_steps, cuda)
     precision = ("fp8 hybrid, delayed scaling + bf16, fp32 main params" if args.fp8_format
                  else "bf16, fp32 main params") if cuda else "fp32 (CPU run)"
     notes = []
@@ -814,9 +888,10 @@ def worker_main(spec_json: str, result_path: str) -> None:
                 torch.cuda.set_device(0)
             args = resolve_config(spec["flags"] + (["--bf16"] if cuda else []))
             args.global_batch_size = args.global_batch_size or args.micro_batch_size
-            result.update(run_hf(args, system, cuda, spec["warmup"], spec["steps"]))
+            result.update(run_hf(args, system, cuda, spec["warmup"], spec["steps"], spec.get("profile_steps", 0)))
         else:
-            result.update(run_megatron(spec["flags"], system, spec["warmup"], spec["steps"]))
+            result.update(run_megatron(spec["flags"], system, spec["warmup"], spec["steps"],
+                                       spec.get("profile_steps", 0)))
         result["status"] = "ok"
     except BaseException as e:  # every failure becomes a result line; the traceback goes to the worker's log
         traceback.print_exc()

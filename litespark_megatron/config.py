@@ -172,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
 
+    g = p.add_argument_group("kernel fusions (Megatron-LM names; each applies where its modules are in use)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="TE linears accumulate weight gradients into the fp32 main_grad buffers inside their wgrad "
+                        "GEMM (on by default on GPU with TE; megatron's own linears need Apex for it)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="fused vocab-parallel cross-entropy (one kernel instead of several passes over the logits)")
+    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",
+                   help="with --cross-entropy-loss-fusion: megatron-core's torch.jit version or TE's Triton kernel")
+
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x data parallel")
@@ -376,6 +385,9 @@ def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool,
                               "e.g. H100/H200/L40S); this GPU has none: use --bf16")
         if backend != "te" and args.spec != "stock-te":
             raise ConfigError("FP8 needs Transformer Engine modules: use --transformer-impl te (or auto)")
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not te:
+        raise ConfigError("--cross-entropy-fusion-impl te needs Transformer Engine, which is not importable here; "
+                          "use --cross-entropy-fusion-impl native")
     if args.spec == "stock-te" and not te:
         raise ConfigError("--spec stock-te needs Transformer Engine, which is not importable here; "
                           "use --spec stock-local or --spec litespark")

@@ -7,6 +7,7 @@ parallel layouts be checked against one process, and lets a run change layout wi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -19,22 +20,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from . import specs
-from .platform import current_device
+from .platform import current_device, te_wgrad_fusion_without_apex, unfuse_megatron_linears
 from .config import padded_vocab_size, virtual_pipeline_size
 
 
 def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def _apex_fused_wgrad() -> bool:
-    """megatron's own ColumnParallelLinear (the output layer) fuses weight-gradient accumulation only with Apex's
-    fused_weight_gradient_mlp_cuda extension; TE modules have their own."""
-    try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def transformer_config(args, backend: str, device_type: str) -> TransformerConfig:
@@ -94,7 +85,10 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         masked_softmax_fusion=te,
         bias_dropout_fusion=device_type == "cuda",
         persist_layer_norm=False,  # an Apex FusedLayerNorm option; TE norms and torch norms have no such mode
-        gradient_accumulation_fusion=te and device_type == "cuda" and _apex_fused_wgrad(),
+        # TE fuses it natively; megatron's own linears only with Apex (build_model switches them off without it).
+        gradient_accumulation_fusion=te and device_type == "cuda" and args.gradient_accumulation_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         deallocate_pipeline_outputs=device_type == "cuda",
         **recompute,
         **fp8,
@@ -151,18 +145,22 @@ def build_model(args, config: TransformerConfig, backend: str, vocab_size: int) 
         stage = vp_stage if vp else None
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=specs.block_spec(args.spec, backend, config, vp_stage=stage, pp_rank=pp_rank),
-            vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=first,
-            post_process=last,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_base=args.rotary_base,
-            vp_stage=stage,
-        )
+        build = te_wgrad_fusion_without_apex() if config.gradient_accumulation_fusion else contextlib.nullcontext()
+        with build:
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=specs.block_spec(args.spec, backend, config, vp_stage=stage,
+                                                        pp_rank=pp_rank),
+                vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+                max_sequence_length=args.max_position_embeddings,
+                pre_process=first,
+                post_process=last,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type,
+                rotary_base=args.rotary_base,
+                vp_stage=stage,
+            )
+        unfuse_megatron_linears(model)
         chunks.append(model)
     device = current_device()
     for model in chunks:

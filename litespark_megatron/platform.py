@@ -293,6 +293,41 @@ def patch_mla_without_te() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def te_wgrad_fusion_without_apex():
+    """Build a model whose Transformer Engine linears accumulate weight gradients straight into megatron's fp32
+    main_grad buffers (TE's `fuse_wgrad_accumulation`, native to TE) when Apex is absent.
+
+    megatron-core ties that TE option to `config.gradient_accumulation_fusion`, and its own ColumnParallelLinear
+    (the output layer) refuses that flag at construction unless Apex's fused_weight_gradient_mlp_cuda is importable.
+    Inside this context the refusal is lifted; `unfuse_megatron_linears` must then switch megatron's own linears
+    back to the unfused path, which is all that Apex's absence takes away."""
+    from megatron.core.tensor_parallel import layers
+
+    saved = layers._grad_accum_fusion_available
+    layers._grad_accum_fusion_available = True
+    try:
+        yield
+    finally:
+        layers._grad_accum_fusion_available = saved
+
+
+def unfuse_megatron_linears(model: torch.nn.Module) -> int:
+    """Without Apex: megatron-core's own Column/RowParallelLinear compute weight gradients unfused (TE modules keep
+    their fusion). Returns how many linears were switched."""
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return 0
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and \
+                module.gradient_accumulation_fusion:
+            module.gradient_accumulation_fusion = False
+            switched += 1
+    return switched
+
+
 # --------------------------------------------------------------------------------------------- process groups
 def init_distributed(args, platform: Optional[Platform] = None) -> Platform:
     """Start torch.distributed (torchrun's env, or a single process), megatron's parallel_state and the seeds."""

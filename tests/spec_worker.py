@@ -13,7 +13,8 @@ def main():
     spec_a, spec_b, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     from litespark_megatron import config, model as model_lib, platform
 
-    args = config.resolve(["--seq-length", "32", "--vocab-size", "128", *flags])
+    # Plain .grad on a bare model: TE's fused accumulation would write into megatron DDP's main_grad, absent here.
+    args = config.resolve(["--seq-length", "32", "--vocab-size", "128", "--no-gradient-accumulation-fusion", *flags])
     plat = platform.init_distributed(args)
     backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(7))

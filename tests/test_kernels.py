@@ -41,10 +41,25 @@ def test_core_attention_equals_explicit_softmax():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")
+def test_swiglu_uses_te_where_te_is_installed():
+    from litespark_megatron.platform import te_importable
+
+    assert kernels.swiglu_impl("cuda") == ("te" if te_importable() else "compiled")
+    assert kernels.swiglu_impl("cpu") == "reference"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_match_reference_on_cuda(dtype):
     tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
-    x = torch.randn(64, 3, 256, device="cuda", dtype=dtype)
-    torch.testing.assert_close(kernels.swiglu(x), kernels.swiglu_reference(x), **tol)
+    x = torch.randn(64, 3, 256, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(64, 3, 128, device="cuda", dtype=dtype)
+    y = kernels.swiglu(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    y_ref = kernels.swiglu_reference(x)
+    (dx_ref,) = torch.autograd.grad(y_ref, x, dy)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(dx, dx_ref, **tol)
+    x = x.detach()
     w = torch.randn(256, device="cuda", dtype=dtype)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), kernels.rms_norm_reference(x, w, 1e-5), **tol)

@@ -4,10 +4,10 @@
 interchangeable with the stock specs) but runs a short training forward: QKV projection, RoPE on q and k, core
 attention, output projection. Inference with a KV cache goes through megatron-core's own path.
 
-`LitesparkCoreAttention` is the local backend's core attention: torch's scaled_dot_product_attention with a causal
-mask and grouped KV heads, which dispatches to flash / memory-efficient kernels and never materializes the
-[b, heads, s, s] score matrix that megatron-core's DotProductAttention builds. The te backend uses TE's fused
-attention (cuDNN / flash) instead.
+`LitesparkCoreAttention` is the core attention of both backends (the te backend switches to TE's attention only
+for context parallelism): torch's scaled_dot_product_attention with a causal mask and grouped KV heads, which
+dispatches to cuDNN / flash / memory-efficient kernels and never materializes the [b, heads, s, s] score matrix
+that megatron-core's DotProductAttention (and TE's unfused fallback) builds.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class LitesparkCoreAttention(MegatronModule):
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"LitesparkCoreAttention supports causal masks only, got {attn_mask_type}")
         if config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs the te backend (TE's attention implements it)")
+            raise ValueError("context parallelism needs TE's attention (the te backend builds it for CP > 1)")
         self.dropout = config.attention_dropout
         kv_channels = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
