@@ -45,7 +45,8 @@ def check_ok_row(row, seq: int, gbs: int):
 
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
-    rc = load_tool("benchmark").main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out)])
+    rc = load_tool("benchmark").main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out),
+                                             "--profile-steps", "1", "--megatron-flags=--cross-entropy-loss-fusion"])
     printed = capsys.readouterr().out
     assert rc == 1  # one system failed; the run itself completed
     report = json.loads((out / "benchmark.json").read_text())
@@ -65,13 +66,26 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     assert "| litespark-local-bf16 | fp32 (CPU run) | 2 x 1 |" in md
     assert "| stock-te-bf16 | failed: --spec stock-te needs Transformer Engine" in md
     assert "--systems litespark-local-bf16,stock-te-bf16" in md and "megatron-core 0.16.1" in md
-    for line in md.splitlines():
+    results_table = md.split("Where the time goes")[0]
+    for line in results_table.splitlines():
         if line.startswith("| "):
             assert line.count("|") == 13, line  # 12 columns in every row, failed ones too
-    # One log per worker; the workers' result files are merged into benchmark.json and removed.
+    # One log per worker (its first line the worker's command, with the --megatron-flags), a profile per system that
+    # ran; the workers' result files are merged into benchmark.json and removed.
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["litespark-local-bf16-mb2.log",
+                                                                 "litespark-local-bf16-mb2.profile.md",
                                                                  "stock-te-bf16-mb2.log"]
     assert "needs Transformer Engine" in (out / "logs" / "stock-te-bf16-mb2.log").read_text()
+    for log in ("litespark-local-bf16-mb2.log", "stock-te-bf16-mb2.log"):
+        assert "--cross-entropy-loss-fusion" in (out / "logs" / log).read_text().splitlines()[0]
+    # --profile-steps: CPU operators (no kernels here), one step more than the timed ones, not in the timing.
+    profile = rows["litespark-local-bf16"]["profile"]
+    assert profile["device"] == "cpu" and profile["steps"] == 1 and profile["busy_fraction"] is not None
+    assert {"gemm", "attention"} <= {c["category"] for c in profile["categories"]}
+    assert any(k["name"] == "aten::mm" for k in profile["top_kernels"])
+    assert "Where the time goes (CPU operator (self) ms per step" in md and "| gemm | " in md
+    assert "aten::mm" in (out / "logs" / "litespark-local-bf16-mb2.profile.md").read_text()
+    assert report["settings"]["steps"] == 2 and rows["stock-te-bf16"].get("profile") is None
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="hf-eager needs HuggingFace transformers (pip install "
@@ -195,6 +209,11 @@ def test_hf_config_has_the_preset_shape():
     (["--model", "tiny", "--hidden-size", "100"], "head dimension 25 (--hidden-size 100 / --num-attention-heads 4) "
                                                   "must be even"),
     (["--steps", "0"], "argument --steps: a positive integer expected"),
+    (["--profile-steps", "-1"], "argument --profile-steps: an integer >= 0 expected"),
+    (["--megatron-flags=--bogus 1"], "--megatron-flags: not litespark-train flags: --bogus 1"),
+    (["--megatron-flags=--cross-entropy-fusion-impl foo"], "argument --cross-entropy-fusion-impl: invalid choice"),
+    (["--megatron-flags=--lr '1"], "--megatron-flags: No closing quotation"),
+    (["--megatron-flags=--spec nope"], "--megatron-flags: unknown --spec 'nope'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert benchmark.main(argv) == 2

@@ -80,3 +80,19 @@ def test_megatron_spelling_of_transformer_impl():
 def test_vocab_padding_is_independent_of_tp():
     assert padded_vocab_size(128256, 128) == 128256
     assert padded_vocab_size(4097, 128) == 4224
+
+
+def test_kernel_fusion_flags():
+    from litespark_megatron.model import transformer_config
+
+    args = resolve(["--model", "tiny"])
+    assert args.gradient_accumulation_fusion is True and args.cross_entropy_loss_fusion is False
+    assert args.cross_entropy_fusion_impl == "native"
+    args = resolve(["--model", "tiny", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion"])
+    assert args.gradient_accumulation_fusion is False
+    cfg = transformer_config(args, "local", "cpu")
+    assert cfg.cross_entropy_loss_fusion is True and cfg.cross_entropy_fusion_impl == "native"
+    assert cfg.gradient_accumulation_fusion is False  # only TE modules on CUDA fuse it
+    args = resolve(["--model", "tiny", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+    with pytest.raises(ConfigError, match="--cross-entropy-fusion-impl te needs Transformer Engine"):
+        validate(args, 1, cuda=False, te=False)

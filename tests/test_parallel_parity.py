@@ -16,6 +16,9 @@ LAYOUTS = {
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "dp2-distopt-overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    # megatron-core's fused vocab-parallel cross-entropy computes the same loss and gradient as the unfused one.
+    "fused-ce": (1, ["--cross-entropy-loss-fusion"]),
+    "tp2-fused-ce": (2, ["--tensor-model-parallel-size", "2", "--cross-entropy-loss-fusion"]),
 }
 
 

@@ -50,3 +50,38 @@ def test_detect_on_this_machine():
         assert plat.device_type == "cuda" and plat.dist_backend == "nccl"
     else:
         assert plat == platform.Platform("cpu", "gloo", False, False, "cpu")
+
+
+WGRAD_FUSION = """
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from litespark_megatron import config, model as model_lib, platform
+
+args = config.resolve(["--model", "tiny", "--seq-length", "32", "--vocab-size", "128"])
+plat = platform.init_distributed(args)
+cfg = model_lib.transformer_config(args, "local", plat.device_type)
+assert cfg.gradient_accumulation_fusion is False  # CPU: no TE modules to fuse in
+cfg.gradient_accumulation_fusion = True           # what a TE backend on a GPU without Apex asks for
+kw = dict(config=cfg, init_method=torch.nn.init.zeros_, bias=False, gather_output=False)
+try:
+    ColumnParallelLinear(16, 16, **kw)
+    print("BUILT WITHOUT CONTEXT")
+except RuntimeError as e:
+    print("REFUSED:", str(e).splitlines()[0][:80])
+with platform.te_wgrad_fusion_without_apex():
+    linear = ColumnParallelLinear(16, 16, **kw)
+print("SWITCHED", platform.unfuse_megatron_linears(linear), linear.gradient_accumulation_fusion)
+(chunk,) = model_lib.build_model(args, cfg, "local", 128)
+fused = [n for n, m in chunk.named_modules() if getattr(m, "gradient_accumulation_fusion", False)]
+print("FUSED AFTER BUILD", fused)
+"""
+
+
+def test_te_wgrad_fusion_without_apex_keeps_megatron_linears_unfused(py):
+    """TE linears may fuse weight-gradient accumulation without Apex; megatron-core's own linears (the output layer)
+    refuse the flag without Apex: build_model lifts the refusal and switches those linears back to unfused."""
+    r = py("-c", WGRAD_FUSION)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    out = r.stdout
+    assert "REFUSED: ColumnParallelLinear was called with gradient_accumulation_fusion set to True" in out, out
+    assert "SWITCHED 1 False" in out and "FUSED AFTER BUILD []" in out, out

@@ -27,6 +27,7 @@ CATEGORIES = (
     ("norm", ("rmsnorm", "rms_norm", "layernorm", "layer_norm")),
     ("rope", ("rope", "rotary")),
     ("fp8 cast/transpose", ("cast_transpose", "quantize", "amax", "fp8")),
+    ("elementwise/other", ("triton_",)),  # torch.compile'd fusions ("fused_cat_mul_silu..." is not a copy)
     ("copy/fill", ("memcpy", "memset", "copy", "fill", "zero", "cat")),
 )
 OTHER = "elementwise/other"

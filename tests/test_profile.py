@@ -1,0 +1,55 @@
+"""metrics/profile.py: kernel names (as seen on an H200 with TE 2.20 / torch 2.11) land in the right category; the
+summary's per-step arithmetic; the Markdown rendering. The profiler run itself is covered by the benchmark's CPU
+end-to-end test (--profile-steps)."""
+import pytest
+
+from litespark_megatron.metrics.profile import OTHER, category_ms, kernel_category, render, summarize
+
+KERNELS = {
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0":
+        "attention",
+    "void transformer_engine::scaled_masked_softmax_warp_forward<__nv_bfloat16, __nv_bfloat16, float, 12>(": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention",
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "gemm",
+    "void multi_tensor_apply_kernel<TensorListMetadata<4, false>, transformer_engine::multi_tensor_adam::AdamFunctor":
+        "optimizer",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+    "void transformer_engine::normalization::rmsnorm_fwd_general_kernel<transformer_engine::normalization::K":
+        "norm",
+    "void transformer_engine::fused_rope_forward_kernel<__nv_bfloat16>(__nv_bfloat16 const*, int const*)": "rope",
+    "void transformer_engine::detail::cast_transpose_kernel<8, __nv_bfloat16, __nv_fp8_e4m3>": "fp8 cast/transpose",
+    "te_parallel_cross_entropy_kernel": "cross-entropy/softmax",
+    "Memset (Device)": "copy/fill",
+    "Memcpy HtoD (Pageable -> Device)": "copy/fill",
+    # at::native's "gpu_kernel_impl_nocast" is a plain elementwise kernel, not a cast; triton's "fused_cat_mul_silu"
+    # an elementwise fusion, not a copy.
+    "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float":
+        OTHER,
+    "triton_poi_fused_cat_mul_silu_silu_backward_split_0": OTHER,
+    "void transformer_engine::dgated_act_kernel<16, true, float, transformer_engine::Empty>": OTHER,
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_category(name):
+    assert kernel_category(name) == KERNELS[name]
+
+
+def test_summary_arithmetic_and_rendering():
+    kernels = {"nvjet_gemm_a": 6000.0, "nvjet_gemm_b": 2000.0, "cudnn_generated_fort_native_sdpa_x": 1000.0,
+               "multi_tensor_apply_kernel<adam>": 1000.0}
+    calls = {"nvjet_gemm_a": 4, "nvjet_gemm_b": 2, "cudnn_generated_fort_native_sdpa_x": 2,
+             "multi_tensor_apply_kernel<adam>": 2}
+    s = summarize(kernels, calls, steps=2, wall_s=0.0125, device="cuda", top=3)
+    assert s["kernel_ms_per_step"] == pytest.approx(5.0) and s["wall_ms_per_step"] == pytest.approx(6.25)
+    assert s["busy_fraction"] == pytest.approx(0.8)
+    assert category_ms(s) == pytest.approx({"gemm": 4.0, "attention": 0.5, "optimizer": 0.5})
+    assert [c["category"] for c in s["categories"]][0] == "gemm"
+    assert sum(c["share"] for c in s["categories"]) == pytest.approx(1.0)
+    assert [k["name"] for k in s["top_kernels"]] == ["nvjet_gemm_a", "nvjet_gemm_b",
+                                                     "cudnn_generated_fort_native_sdpa_x"]
+    assert s["top_kernels"][0]["calls_per_step"] == 2 and s["top_kernels"][0]["share"] == pytest.approx(0.6)
+    md = render(s, "demo")
+    assert md.startswith("### demo") and "GPU busy 80% of the wall time" in md
+    assert "| gemm | 4.0 | 80.0% |" in md and "| `nvjet_gemm_a` | gemm | 3.00 | 2 | 60.0% |" in md
