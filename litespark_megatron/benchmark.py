@@ -91,8 +91,8 @@ SYSTEMS: Dict[str, System] = {
 }
 DEFAULT_SYSTEMS = ("hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16", "stock-te-fp8")
 MEGATRON_NOTE = ("megatron systems (GPU): bf16 parameters and compute with fp32 main parameters, fp32 gradient "
-                 "accumulation and fp32 Adam states (megatron-core's mixed-precision optimizer); every system clips "
-                 "gradients at 1.0")
+                 "accumulation (fused into TE's weight-gradient GEMMs) and fp32 Adam states (megatron-core's "
+                 "mixed-precision optimizer); every system clips gradients at 1.0")
 SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "vocab_size")
 

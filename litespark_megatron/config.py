@@ -385,6 +385,10 @@ def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool,
                               "e.g. H100/H200/L40S); this GPU has none: use --bf16")
         if backend != "te" and args.spec != "stock-te":
             raise ConfigError("FP8 needs Transformer Engine modules: use --transformer-impl te (or auto)")
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "native" and not args.bf16:
+        raise ConfigError("--cross-entropy-loss-fusion with --cross-entropy-fusion-impl native needs --bf16: "
+                          "megatron-core's fused kernel rounds the logits gradient to bf16 (2e-3 off in an fp32 "
+                          "run); use --cross-entropy-fusion-impl te, or drop the flag")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not te:
         raise ConfigError("--cross-entropy-fusion-impl te needs Transformer Engine, which is not importable here; "
                           "use --cross-entropy-fusion-impl native")

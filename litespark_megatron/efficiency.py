@@ -470,7 +470,10 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
                    same_run_as=entry.get("same_as"), flags=" ".join(planned[name]["flags"]),
                    error=source_entry.get("error"))
         args = planned[name]["args"]
-        counts = _params_of(args, settings.out / "runs" / source / "tb" / "config.yaml")
+        own = settings.out / "runs" / source / "tb" / "config.yaml"
+        # A variant not run yet takes the vocabulary of one that ran: all train on the same data and tokenizer.
+        ran = sorted((settings.out / "runs").glob("*/tb/config.yaml"))
+        counts = _params_of(args, own if own.exists() or not ran else ran[0])
         metrics = settings.out / "runs" / source / "metrics.jsonl"
         if row["status"] == "done" and metrics.exists():
             records = _records(metrics)

@@ -46,7 +46,7 @@ def check_ok_row(row, seq: int, gbs: int):
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
     rc = load_tool("benchmark").main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out),
-                                             "--profile-steps", "1", "--megatron-flags=--cross-entropy-loss-fusion"])
+                                             "--profile-steps", "1", "--megatron-flags=--no-gradient-accumulation-fusion"])
     printed = capsys.readouterr().out
     assert rc == 1  # one system failed; the run itself completed
     report = json.loads((out / "benchmark.json").read_text())
@@ -77,7 +77,7 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
                                                                  "stock-te-bf16-mb2.log"]
     assert "needs Transformer Engine" in (out / "logs" / "stock-te-bf16-mb2.log").read_text()
     for log in ("litespark-local-bf16-mb2.log", "stock-te-bf16-mb2.log"):
-        assert "--cross-entropy-loss-fusion" in (out / "logs" / log).read_text().splitlines()[0]
+        assert "--no-gradient-accumulation-fusion" in (out / "logs" / log).read_text().splitlines()[0]
     # --profile-steps: CPU operators (no kernels here), one step more than the timed ones, not in the timing.
     profile = rows["litespark-local-bf16"]["profile"]
     assert profile["device"] == "cpu" and profile["steps"] == 1 and profile["busy_fraction"] is not None

@@ -93,6 +93,12 @@ def test_kernel_fusion_flags():
     cfg = transformer_config(args, "local", "cpu")
     assert cfg.cross_entropy_loss_fusion is True and cfg.cross_entropy_fusion_impl == "native"
     assert cfg.gradient_accumulation_fusion is False  # only TE modules on CUDA fuse it
-    args = resolve(["--model", "tiny", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+    args = resolve(["--model", "tiny", "--bf16", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
     with pytest.raises(ConfigError, match="--cross-entropy-fusion-impl te needs Transformer Engine"):
         validate(args, 1, cuda=False, te=False)
+    validate(resolve(["--model", "tiny", "--bf16", "--cross-entropy-loss-fusion"]), 1, cuda=False, te=False)
+    for precision in ([], ["--fp16"]):
+        args = resolve(["--model", "tiny", "--cross-entropy-loss-fusion"] + precision)
+        with pytest.raises(ConfigError, match="native needs --bf16: megatron-core's fused kernel rounds the logits "
+                                              "gradient to bf16"):
+            validate(args, 1, cuda=False, te=False)

@@ -269,3 +269,23 @@ def test_interrupted_suite_stops_its_run_and_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "gqa: already done, skipped" in again.stdout and "mqa: training" in again.stdout
     assert json.loads(state_file.read_text())["variants"]["mqa"]["status"] == "done"
+
+
+def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_the_runs(tmp_path):
+    """The vocabulary follows the data's tokenizer unless given, so the shape's parameter count of a variant that
+    has not run takes the vocabulary from a variant that did (same data), not the preset's."""
+    from litespark_megatron import efficiency
+    from litespark_megatron.platform import detect
+
+    out = tmp_path / "suite"
+    (out / "runs" / "gqa" / "tb").mkdir(parents=True)
+    (out / "runs" / "gqa" / "tb" / "config.yaml").write_text("vocab_size: 1000\n")
+    settings = efficiency.Settings(out=out, model="tiny", variants=["gqa", "mqa"], precision="fp32", train_iters=2,
+                                   log_interval=1, eval_iters=1, nproc=1, mock_data=False, warmup_intervals=1,
+                                   timeout=60, time_budget=None, rerun=[], variant_flags={}, shared=[])
+    planned = efficiency.plan(settings, detect())
+    rows = {r["variant"]: r for r in efficiency.collect_rows(settings, planned, {"variants": {}})}
+    with_data_vocab = efficiency._params_of(planned["mqa"]["args"], out / "runs" / "gqa" / "tb" / "config.yaml")
+    with_preset_vocab = efficiency._params_of(planned["mqa"]["args"])
+    assert with_data_vocab["total"] != with_preset_vocab["total"]  # tiny has a 4096 vocabulary
+    assert rows["mqa"]["status"] == "not run" and rows["mqa"]["params"] == with_data_vocab["total"]
