@@ -225,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="default: metrics.jsonl in --save (or the TB dir)")
     g.add_argument("--peak-tflops", type=float, default=None, help="override the detected dense peak (MFU)")
+
+    g = p.add_argument_group("profiling (Megatron-LM names; torch.profiler)")
+    g.add_argument("--profile", action="store_true",
+                   help="run the steps from --profile-step-start to --profile-step-end under torch.profiler on "
+                        "--profile-ranks; writes <run dir>/profile/rank<R>.md (GPU time by category, top kernels), "
+                        ".json and .trace.json.gz (Chrome/Perfetto trace)")
+    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled step (steps done before it)")
+    g.add_argument("--profile-step-end", type=int, default=12, help="profiling stops once this many steps are done")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that profile")
     return p
 
 
@@ -407,7 +416,22 @@ def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool,
                           f"{args.micro_batch_size} x {dp} = {args.micro_batch_size * dp}")
     if args.train_iters < 0:
         raise ConfigError(f"--train-iters must be >= 0, got {args.train_iters}")
+    if args.profile:
+        _validate_profile(args, world_size)
     _validate_architecture(args, world_size, backend, cuda)
+
+
+def _validate_profile(args, world_size: int) -> None:
+    start, end = args.profile_step_start, args.profile_step_end
+    if not (args.save or args.tensorboard_dir):
+        raise ConfigError("--profile writes its files into the run directory: give --save or --tensorboard-dir")
+    if not 0 <= start < end <= args.train_iters:
+        raise ConfigError(f"--profile-step-start {start} and --profile-step-end {end} must satisfy 0 <= start < end "
+                          f"<= --train-iters {args.train_iters}")
+    bad = [r for r in args.profile_ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {world_size} "
+                          f"(ranks 0..{world_size - 1})")
 
 
 def _validate_architecture(args, world_size: int, backend: str, cuda: bool) -> None:

@@ -48,6 +48,12 @@ def test_yaml_errors(tmp_path):
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size 6 is not divisible"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
     (["--spec", "stock-te"], 1, "--spec stock-te needs Transformer Engine"),
+    (["--profile"], 1, "--profile writes its files into the run directory: give --save or --tensorboard-dir"),
+    (["--profile", "--save", "ckpt", "--profile-step-start", "5", "--profile-step-end", "5"], 1,
+     "--profile-step-start 5 and --profile-step-end 5 must satisfy 0 <= start < end <= --train-iters 100"),
+    (["--profile", "--save", "ckpt", "--profile-step-end", "101"], 1, "--profile-step-end 101 must satisfy"),
+    (["--profile", "--save", "ckpt", "--profile-ranks", "0", "2"], 2,
+     "--profile-ranks 2: no such rank in a world of 2 (ranks 0..1)"),
 ])
 def test_bad_configuration_is_refused(argv, world, message):
     with pytest.raises(ConfigError) as e:

@@ -150,3 +150,23 @@ def test_fp16_loss_scaling_skips_and_counts_overflow_steps(tmp_path):
     assert train_records[-1]["skipped_in_interval"] == 0, "steps should go through once the scale fits"
     assert scales[0] < 2.0 ** 16 and scales == sorted(scales, reverse=True), scales
     assert train_records[-1]["loss"] is not None and train_records[-1]["loss"] < 10
+
+
+def test_profile_writes_each_ranks_summary_and_trace(tmp_path):
+    """--profile (Megatron-LM flags): steps 3-4 of a TP2 run under torch.profiler on both ranks; each rank writes
+    its summary (Markdown, JSON) and a gzipped Chrome trace into <run dir>/profile/, and training goes on."""
+    import gzip
+
+    tb = tmp_path / "run"
+    proc = ok(train(2, *MOCK, "--tensor-model-parallel-size", "2", "--tensorboard-dir", tb, "--profile",
+                    "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1"))
+    assert "step      6/6" in proc.stdout
+    for rank in (0, 1):
+        stem = tb / "profile" / f"rank{rank}"
+        summary = json.loads(stem.with_suffix(".json").read_text())
+        assert (summary["rank"], summary["first_step"], summary["last_step"], summary["steps"]) == (rank, 3, 4, 2)
+        assert summary["device"] == "cpu" and "gemm" in {c["category"] for c in summary["categories"]}
+        assert f"### rank {rank}, steps 3-4" in (tb / "profile" / f"rank{rank}.md").read_text()
+        trace = json.loads(gzip.decompress((tb / "profile" / f"rank{rank}.trace.json.gz").read_bytes()))
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+        assert f"profile of rank {rank}, steps 3-4" in proc.stdout

@@ -1,6 +1,7 @@
 """Where a training step's time goes: torch.profiler over a few steps, kernels grouped by what they do.
 
-`profile_steps(step_fn, steps, cuda)` runs `steps` more training steps under torch.profiler and returns a summary:
+`profile_steps(step_fn, steps, cuda)` (the benchmark) and `StepProfiler` (litespark-train --profile) run training
+steps under torch.profiler and return a summary:
 per category (GEMM, attention, optimizer, communication, ...) the GPU time per step, the share of the step, and the
 top kernels by GPU time. On the CPU (no kernels) it groups the CPU operators instead, so the tool runs anywhere.
 `busy_fraction` is the summed kernel time over the wall time of the profiled steps: well below 1 means the GPU
@@ -61,22 +62,56 @@ def summarize(kernels: Dict[str, float], calls: Dict[str, int], steps: int, wall
                 categories=categories, top_kernels=top_kernels)
 
 
+class StepProfiler:
+    """torch.profiler around a span of training steps: `start()`, `step()` after each step, `stop()` -> summary.
+    `export_trace(path)` after stop writes the Chrome/Perfetto trace (gzip-compressed when path ends in .gz)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.steps = 0
+        self._prof = None
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def stop(self) -> dict:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        return _summarize_profiler(self._prof, max(self.steps, 1), wall, self.cuda)
+
+    def export_trace(self, path: str) -> None:
+        self._prof.export_chrome_trace(path)
+
+
 def profile_steps(step_fn: Callable[[], float], steps: int, cuda: bool) -> dict:
     """Run `steps` training steps under torch.profiler; the summary (see module docstring)."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    profiler = StepProfiler(cuda)
+    profiler.start()
+    for _ in range(steps):
+        step_fn()
+        profiler.step()
+    return profiler.stop()
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step_fn()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+
+def _summarize_profiler(prof, steps: int, wall: float, cuda: bool) -> dict:
+    from torch.autograd import DeviceType
+
     kernels: Dict[str, float] = {}
     calls: Dict[str, int] = {}
     if cuda:
@@ -123,4 +158,4 @@ def category_ms(summary: dict) -> Dict[str, float]:
     return {c["category"]: c["ms_per_step"] for c in summary["categories"]}
 
 
-__all__: List[str] = ["kernel_category", "summarize", "profile_steps", "render", "category_ms"]
+__all__: List[str] = ["kernel_category", "summarize", "StepProfiler", "profile_steps", "render", "category_ms"]

@@ -11,7 +11,6 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from .. import config as config_lib
@@ -192,12 +191,20 @@ def train(args, plat, corpus=None) -> dict:
     # The loop.
     start_iteration, t_start = iteration, time.time()
     interval_losses, interval_skipped, last_val, first_loss, last_loss = [], 0, {}, None, None
+    profiling = args.profile and dist.get_rank() in args.profile_ranks
+    profiler = None
     telemetry.start_interval()
     while iteration < args.train_iters:
+        if profiling and iteration == args.profile_step_start:
+            profiler = _start_profiler(plat)
         result = step_lib.train_step(model, optimizer, scheduler, train_iters, num_micro, args)
         iteration += 1
         consumed_train += gbs
         telemetry.step_done()
+        if profiler is not None:
+            profiler.step()
+            if iteration == args.profile_step_end:
+                profiler = _finish_profiler(profiler, run_dir, iteration)
         skipped_total += result.skipped
         interval_skipped += result.skipped
         if not result.skipped:
@@ -238,6 +245,8 @@ def train(args, plat, corpus=None) -> dict:
             break
 
     # End of run: final validation, checkpoint, summary.
+    if profiler is not None:  # the run ended (--exit-interval) inside the profiled span
+        profiler = _finish_profiler(profiler, run_dir, iteration)
     if iteration > start_iteration or not last_val:
         last_val = evaluate(iteration) or last_val
     if args.save and iteration > start_iteration:
@@ -258,6 +267,38 @@ def train(args, plat, corpus=None) -> dict:
     telemetry.close()
     _print_summary(summary)
     return summary
+
+
+def _start_profiler(plat):
+    from ..metrics.profile import StepProfiler
+
+    profiler = StepProfiler(cuda=plat.device_type == "cuda")
+    profiler.start()
+    return profiler
+
+
+def _finish_profiler(profiler, run_dir: str, iteration: int) -> None:
+    """Stop profiling; write this rank's summary (Markdown, JSON) and trace into <run dir>/profile/."""
+    from ..metrics.profile import render
+
+    summary = profiler.stop()
+    rank = dist.get_rank()
+    out = os.path.join(run_dir, "profile")
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"rank{rank}")
+    first = iteration - profiler.steps + 1
+    title = f"rank {rank}, steps {first}-{iteration}"
+    with open(stem + ".md", "w") as f:
+        f.write(render(summary, title))
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(rank=rank, first_step=first, last_step=iteration, **summary), f, indent=1)
+    profiler.export_trace(stem + ".trace.json.gz")
+    busy = summary["busy_fraction"]
+    print(f"  profile of {title}: {summary['kernel_ms_per_step']:.1f} ms of "
+          f"{'kernels' if summary['device'] == 'cuda' else 'CPU operators'} per step in "
+          f"{summary['wall_ms_per_step']:.1f} ms" + (f" (GPU busy {busy:.0%})" if summary["device"] == "cuda" else "")
+          + f" -> {stem}.md", flush=True)
+    return None
 
 
 def _sample(args, model, tokenizer):
