@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="fused vocab-parallel cross-entropy (one kernel instead of several passes over the logits)")
     g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",
-                   help="with --cross-entropy-loss-fusion: megatron-core's torch.jit version or TE's Triton kernel")
+                   help="with --cross-entropy-loss-fusion: megatron-core's fused kernel (bf16 runs only: it rounds the "
+                        "logits gradient to bf16) or TE's Triton kernel")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)

@@ -192,6 +192,9 @@ def train(args, plat, corpus=None) -> dict:
     start_iteration, t_start = iteration, time.time()
     interval_losses, interval_skipped, last_val, first_loss, last_loss = [], 0, {}, None, None
     profiling = args.profile and dist.get_rank() in args.profile_ranks
+    if args.profile and iteration > args.profile_step_start:
+        log0(f"--profile: resumed at iteration {iteration}, after --profile-step-start {args.profile_step_start}: "
+             "nothing is profiled in this run")
     profiler = None
     telemetry.start_interval()
     while iteration < args.train_iters:
