@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Train the same model with stock Megatron-Core and with Litespark (BF16, FP8) from the same seed on the same data,
+# then check that every Litespark loss curve stays within TOLERANCE of the stock one (tools/compare_losses.py).
+# Arguments go unchanged to every run (data, tokenizer, shape; a run's own flags in RUNS come after them and win);
+# the knobs are environment variables:
+#
+#   MODEL=llama-1b         litespark-train preset
+#   STEPS=300              optimizer steps per run
+#   NPROC=1                processes per run (torchrun --standalone); the layout flags go in the arguments
+#   OUT_DIR=runs/equivalence   one directory per run (metrics.jsonl, TensorBoard), report.md, losses.png
+#   TOLERANCE=0.01         largest relative deviation of the smoothed curves
+#   SMOOTH=5               trailing mean over this many logged points before comparing
+#   START_STEP=20          compare from this step on (the first steps move too fast to compare pointwise)
+#   RUNS                   "name:flags;name:flags..."; the first is the reference. Default (GPU with TE):
+#                          stock-te-bf16:--spec stock-te --bf16;litespark-bf16:--spec litespark
+#                          --transformer-impl te --bf16;litespark-fp8:<the same> --fp8-format hybrid
+#
+#   bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32
+#   RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local" MODEL=tiny STEPS=50 \
+#       bash scripts/loss_equivalence.sh        # anywhere, CPU included
+# Exit status: 0 all within tolerance, 1 one is not (report.md says which), 2 bad input or a run that failed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PROG="loss_equivalence.sh"
+die() {
+  printf '%s: error: %s\n' "$PROG" "$*" >&2
+  exit 2
+}
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,/^set -euo pipefail$/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+  exit 0
+fi
+
+MODEL="${MODEL:-llama-1b}"
+STEPS="${STEPS:-300}"
+NPROC="${NPROC:-1}"
+OUT_DIR="${OUT_DIR:-runs/equivalence}"
+TOLERANCE="${TOLERANCE:-0.01}"
+SMOOTH="${SMOOTH:-5}"
+START_STEP="${START_STEP:-20}"
+TE="--spec litespark --transformer-impl te --bf16"
+RUNS="${RUNS:-stock-te-bf16:--spec stock-te --bf16;litespark-bf16:$TE;litespark-fp8:$TE --fp8-format hybrid}"
+PY="${PYTHON:-python3}"
+if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
+
+for v in STEPS NPROC SMOOTH START_STEP; do
+  [[ ${!v} =~ ^[0-9]+$ ]] && [ "$((10#${!v}))" -ge 1 -o "$v" = START_STEP ] || die "$v='${!v}' must be a positive integer"
+done
+[ "$START_STEP" -lt "$STEPS" ] || die "START_STEP=$START_STEP must be below STEPS=$STEPS"
+
+names=()
+flags=()
+IFS=';' read -r -a entries <<<"$RUNS"
+for entry in "${entries[@]}"; do
+  [ -n "${entry// /}" ] || continue
+  [[ $entry == *:* ]] || die "RUNS entry '$entry' is not name:flags"
+  name="${entry%%:*}"
+  [[ $name =~ ^[A-Za-z0-9._-]+$ ]] || die "RUNS name '$name' must be letters, digits, '.', '_' or '-'"
+  for n in "${names[@]}"; do [ "$n" != "$name" ] || die "RUNS names '$name' twice"; done
+  names+=("$name")
+  flags+=("${entry#*:}")
+done
+[ "${#names[@]}" -ge 2 ] || die "RUNS needs at least two runs (a reference first), got ${#names[@]}"
+
+# Logging every step keeps the curves comparable point by point; eval only at the end.
+COMMON=(--model "$MODEL" --train-iters "$STEPS" --log-interval 1 --eval-iters 0 --seed "${SEED:-1234}")
+mkdir -p "$OUT_DIR"
+dirs=()
+for i in "${!names[@]}"; do
+  dir="$OUT_DIR/${names[$i]}"
+  rm -rf "$dir"
+  # shellcheck disable=SC2206
+  extra=(${flags[$i]})
+  if [ "$NPROC" -gt 1 ]; then
+    cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m litespark_megatron)
+  else
+    cmd=("$PY" -m litespark_megatron)
+  fi
+  # The run's own flags last: they win over the shared arguments (what differs between runs is the point).
+  cmd+=("${COMMON[@]}" "$@" "${extra[@]}" --tensorboard-dir "$dir")
+  echo "[$((i + 1))/${#names[@]}] ${names[$i]}: ${cmd[*]}"
+  if ! PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" >"$OUT_DIR/${names[$i]}.log" 2>&1; then
+    tail -5 "$OUT_DIR/${names[$i]}.log" >&2
+    die "run '${names[$i]}' failed (log: $OUT_DIR/${names[$i]}.log)"
+  fi
+  dirs+=("$dir")
+done
+
+set +e
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$ROOT/tools/compare_losses.py" "${dirs[@]}" \
+  --tolerance "$TOLERANCE" --smooth "$SMOOTH" --start-step "$START_STEP" --plot "$OUT_DIR/losses.png" \
+  | tee "$OUT_DIR/report.md"
+rc=${PIPESTATUS[0]}
+exit "$rc"

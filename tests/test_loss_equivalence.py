@@ -1,0 +1,54 @@
+"""scripts/loss_equivalence.sh: trains every run of RUNS from the same seed and data and checks their loss curves
+against the first (tools/compare_losses.py). CPU: stock megatron-core local spec vs Litespark local (the same
+function, so the same curve) and a run with another learning rate (a different curve)."""
+import pytest
+
+from conftest import ROOT, child_env, run
+
+SCRIPT = ROOT / "scripts" / "loss_equivalence.sh"
+DATA = ["--mock-data", "--seq-length", "32", "--vocab-size", "128", "--global-batch-size", "4",
+        "--micro-batch-size", "2", "--lr", "3e-3"]
+
+
+def equivalence(tmp_path, *args, **knobs):
+    env = child_env(MODEL="tiny", OUT_DIR=str(tmp_path / "eq"), **knobs)
+    env.pop("VIRTUAL_ENV", None)
+    return run(["bash", SCRIPT, *args], env=env, timeout=600)
+
+
+def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
+    proc = equivalence(tmp_path, *DATA, STEPS="8", START_STEP="2", SMOOTH="2", TOLERANCE="0.001",
+                       RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local;"
+                            "other-lr:--transformer-impl local --lr 3e-2")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (tmp_path / "eq" / "report.md").read_text()
+    assert "reference: stock-local" in report
+    assert "| litespark-local | 7 (2-8) |" in report and report.count("| yes |") == 1
+    assert "| other-lr | 7 (2-8) |" in report and "| NO |" in report
+    assert (tmp_path / "eq" / "losses.png").exists()
+    for name in ("stock-local", "litespark-local", "other-lr"):
+        assert (tmp_path / "eq" / name / "metrics.jsonl").exists()
+    # The resolved command of each run is printed; the runs' own flags come after the shared ones and win.
+    assert "--lr 3e-3 --spec stock-local --tensorboard-dir" in proc.stdout
+    assert "--lr 3e-3 --transformer-impl local --lr 3e-2 --tensorboard-dir" in proc.stdout
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(RUNS="only:--spec stock-local"), "RUNS needs at least two runs (a reference first), got 1"),
+    (dict(RUNS="a:--spec stock-local;a:--spec litespark"), "RUNS names 'a' twice"),
+    (dict(RUNS="a --spec stock-local;b:"), "RUNS entry 'a --spec stock-local' is not name:flags"),
+    (dict(STEPS="ten"), "STEPS='ten' must be a positive integer"),
+    (dict(STEPS="10", START_STEP="10"), "START_STEP=10 must be below STEPS=10"),
+])
+def test_bad_knobs_fail_before_training(tmp_path, knobs, message):
+    proc = equivalence(tmp_path, *DATA, **knobs)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"loss_equivalence.sh: error: {message}", proc.stderr
+    assert not (tmp_path / "eq").exists() or not any((tmp_path / "eq").iterdir())
+
+
+def test_a_failing_run_stops_the_script(tmp_path):
+    proc = equivalence(tmp_path, *DATA, STEPS="4", START_STEP="1",
+                       RUNS="a:--transformer-impl local;b:--transformer-impl local --tensor-model-parallel-size 2")
+    assert proc.returncode == 2
+    assert "loss_equivalence.sh: error: run 'b' failed (log: " in proc.stderr
+    assert "world size 1 is not divisible by TP" in proc.stderr
