@@ -11,6 +11,8 @@
 #   TOLERANCE=0.01         largest relative deviation of the smoothed curves
 #   SMOOTH=5               trailing mean over this many logged points before comparing
 #   START_STEP=20          compare from this step on (the first steps move too fast to compare pointwise)
+#   KEEP_DONE=0            1: keep a run whose directory already logged step STEPS instead of training it again
+#                          (to spread the runs over several sessions; delete a run's directory to redo it)
 #   RUNS                   "name:flags;name:flags..."; the first is the reference. Default (GPU with TE):
 #                          stock-te-bf16:--spec stock-te --bf16;litespark-bf16:--spec litespark
 #                          --transformer-impl te --bf16;litespark-fp8:<the same> --fp8-format hybrid
@@ -69,6 +71,13 @@ mkdir -p "$OUT_DIR"
 dirs=()
 for i in "${!names[@]}"; do
   dir="$OUT_DIR/${names[$i]}"
+  dirs+=("$dir")
+  if [ "${KEEP_DONE:-0}" = 1 ] && [ -f "$dir/metrics.jsonl" ] && "$PY" -c "import json, sys; sys.exit(0 if any(
+      r.get('kind') == 'train' and r.get('step') == $STEPS for r in map(json.loads, open(sys.argv[1]))) else 1)" \
+      "$dir/metrics.jsonl"; then
+    echo "[$((i + 1))/${#names[@]}] ${names[$i]}: kept (KEEP_DONE=1, $dir logged step $STEPS)"
+    continue
+  fi
   rm -rf "$dir"
   # shellcheck disable=SC2206
   extra=(${flags[$i]})
@@ -84,7 +93,6 @@ for i in "${!names[@]}"; do
     tail -5 "$OUT_DIR/${names[$i]}.log" >&2
     die "run '${names[$i]}' failed (log: $OUT_DIR/${names[$i]}.log)"
   fi
-  dirs+=("$dir")
 done
 
 set +e

@@ -31,6 +31,11 @@ def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     # The resolved command of each run is printed; the runs' own flags come after the shared ones and win.
     assert "--lr 3e-3 --spec stock-local --tensorboard-dir" in proc.stdout
     assert "--lr 3e-3 --transformer-impl local --lr 3e-2 --tensorboard-dir" in proc.stdout
+    # KEEP_DONE=1: finished runs are kept (not retrained), and the comparison is the same.
+    again = equivalence(tmp_path, *DATA, STEPS="8", START_STEP="2", SMOOTH="2", TOLERANCE="0.001", KEEP_DONE="1",
+                        RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count(": kept (KEEP_DONE=1") == 2 and "python" not in again.stdout.split("reference:")[0]
 
 
 @pytest.mark.parametrize("knobs, message", [
