@@ -273,12 +273,7 @@ def render(out: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    def body(args) -> int:
-        out = compute(args)
-        print(json.dumps(out, indent=2) if args.json else render(out))
-        return 0
-
-    return _cli.run_main(body, argv, build_parser())
+    return _cli.report_main(argv, build_parser(), compute, render)
 
 
 if __name__ == "__main__":

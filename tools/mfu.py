@@ -9,7 +9,6 @@ skipping, NeMo tables); docs/metrics.md gives every formula.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -154,12 +153,7 @@ def render(out: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    def body(args) -> int:
-        out = compute(args)
-        print(json.dumps(out, indent=2) if args.json else render(out))
-        return 0
-
-    return _cli.run_main(body, argv, build_parser())
+    return _cli.report_main(argv, build_parser(), compute, render)
 
 
 if __name__ == "__main__":

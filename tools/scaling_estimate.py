@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -269,12 +268,7 @@ def render_table(estimates: List[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    def body(args) -> int:
-        out = compute(args)
-        print(json.dumps(out, indent=2) if args.json else render(out))
-        return 0
-
-    return _cli.run_main(body, argv, build_parser())
+    return _cli.report_main(argv, build_parser(), compute, render)
 
 
 if __name__ == "__main__":

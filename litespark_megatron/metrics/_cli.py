@@ -5,6 +5,7 @@ Model flags keep the Megatron-LM names of litespark-train, so a command line can
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -185,6 +186,17 @@ def run_main(body, argv, parser: argparse.ArgumentParser) -> int:
     except UsageError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def report_main(argv, parser: argparse.ArgumentParser, compute, render) -> int:
+    """The main() of a report tool: parse, ``out = compute(args)``, print ``render(out)`` (or the JSON of ``out``
+    with --json); bad input as in run_main."""
+    def body(args) -> int:
+        out = compute(args)
+        print(json.dumps(out, indent=2) if args.json else render(out))
+        return 0
+
+    return run_main(body, argv, parser)
 
 
 def fmt_int(x: float) -> str:
