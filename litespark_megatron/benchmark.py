@@ -23,7 +23,7 @@ Systems (`--systems`, comma list):
   which is not a dependency of this package.
 * `litespark-bf16`, `litespark-fp8` (FP8 hybrid, delayed scaling), `stock-te-bf16`, `stock-te-fp8`,
   `litespark-local-bf16` (the no-TE backend): built exactly as litespark-train builds them (config.resolve flags
-  -> platform.init_distributed -> model.build_model -> optim.wrap_model/build_optimizer/build_scheduler ->
+  -> platform.init_distributed -> optim.build_training, the trainer's own build ->
   step.train_step), one process, megatron micro-batching.
 
 A system that cannot run (no Transformer Engine, no FP8, out of memory, an import error, a timeout) is reported
@@ -759,7 +759,6 @@ def _micro_batches(tokens, micro_batch_size: int):
 
 def run_megatron(flags: List[str], system: System, warmup: int, steps: int, profile_steps: int = 0) -> dict:
     from . import config as config_lib
-    from . import model as model_lib
     from . import platform
     from .training import optim
     from .training import step as step_lib
@@ -776,11 +775,7 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int, prof
         raise
     platform.init_distributed(args, plat)
     backend = config_lib.resolved_backend(args, cuda=cuda, te=plat.te)
-    tconfig = model_lib.transformer_config(args, backend, plat.device_type)
-    chunks = model_lib.build_model(args, tconfig, backend, args.vocab_size)
-    model = optim.wrap_model(args, tconfig, chunks)
-    optimizer = optim.build_optimizer(args, model)
-    scheduler = optim.build_scheduler(args, optimizer)
+    chunks, model, optimizer, scheduler = optim.build_training(args, backend, plat.device_type)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     batches = iter(token_batches(warmup + steps + profile_steps, gbs, args.seq_length, args.vocab_size, args.seed))

@@ -28,7 +28,7 @@ def micro_batches(tokens, micro_batch_size: int, dp_rank: int, dp_size: int):
 def main():
     out_path, steps = sys.argv[1], int(sys.argv[2])
     flags = sys.argv[sys.argv.index("--") + 1:]
-    from litespark_megatron import config, model as model_lib, platform
+    from litespark_megatron import config, platform
     from litespark_megatron.training import optim, step as step_lib
     from megatron.core import parallel_state as ps
 
@@ -38,11 +38,7 @@ def main():
     config.validate(args, world, cuda=plat.device_type == "cuda", te=plat.te, fp8_capable=plat.fp8_capable)
     platform.init_distributed(args, plat)
     backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
-    tcfg = model_lib.transformer_config(args, backend, plat.device_type)
-    chunks = model_lib.build_model(args, tcfg, backend, args.vocab_size)
-    model = optim.wrap_model(args, tcfg, chunks)
-    optimizer = optim.build_optimizer(args, model)
-    scheduler = optim.build_scheduler(args, optimizer)
+    _, model, optimizer, scheduler = optim.build_training(args, backend, plat.device_type)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     gbs = args.global_batch_size or args.micro_batch_size * dp
     losses, norms = [], []

@@ -108,7 +108,7 @@ def _save_config(args, run_dir) -> None:
 def train(args, plat, corpus=None) -> dict:
     from megatron.core import parallel_state as ps
 
-    from .. import data, model as model_lib
+    from .. import data
     from ..metrics.sinks import MetricsSink
     from . import checkpoint, optim, step as step_lib
     from .telemetry import Telemetry
@@ -119,11 +119,7 @@ def train(args, plat, corpus=None) -> dict:
     tokenizer = args.tokenizer
 
     # Model, optimizer, schedule.
-    tconfig = model_lib.transformer_config(args, backend, plat.device_type)
-    chunks = model_lib.build_model(args, tconfig, backend, args.vocab_size)
-    model = optim.wrap_model(args, tconfig, chunks)
-    optimizer = optim.build_optimizer(args, model)
-    scheduler = optim.build_scheduler(args, optimizer)
+    chunks, model, optimizer, scheduler = optim.build_training(args, backend, plat.device_type)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
 
     # Resume.

@@ -9,7 +9,18 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from .. import model as model_lib
 from ..model import params_dtype
+
+
+def build_training(args, backend: str, device_type: str):
+    """What a training job holds, built the one way litespark-train (and the benchmark) build it: this rank's model
+    chunks, their megatron DDP wrappers, the optimizer and the LR schedule."""
+    tconfig = model_lib.transformer_config(args, backend, device_type)
+    chunks = model_lib.build_model(args, tconfig, backend, args.vocab_size)
+    model = wrap_model(args, tconfig, chunks)
+    optimizer = build_optimizer(args, model)
+    return chunks, model, optimizer, build_scheduler(args, optimizer)
 
 
 def wrap_model(args, config, chunks: List[torch.nn.Module]) -> List[DistributedDataParallel]:
