@@ -19,8 +19,12 @@ def can_sample(args) -> Optional[str]:
 
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int = 64, top_k: int = 20,
-           temperature: float = 0.8, seed: int = 0) -> str:
-    """Continue `prompt`; every TP rank draws the same token (same generator seed, gathered logits)."""
+           temperature: float = 0.8, seed: int = 0, pad_multiple: int = 16) -> str:
+    """Continue `prompt`; every TP rank draws the same token (same generator seed, gathered logits).
+
+    The context is right-padded to a multiple of `pad_multiple` tokens: Transformer Engine's FP8 GEMMs refuse a
+    token count that is not a multiple of 8/16, and a prompt is a few tokens. The model is causal, so padding after
+    the last real token leaves that token's logits unchanged."""
     device = current_device()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(tokenizer.tokenize(prompt)) or [tokenizer.eod]
@@ -30,9 +34,7 @@ def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int =
     try:
         for _ in range(max_new_tokens):
             context = ids[-seq_length:]
-            tokens = torch.tensor([context], device=device)
-            positions = torch.arange(len(context), device=device).unsqueeze(0)
-            logits = model(tokens, positions, None)[0, -1].float()        # vocab-parallel under TP
+            logits = _last_logits(model, context, tokenizer.eod, device, pad_multiple, seq_length)
             if parallel_state.get_tensor_model_parallel_world_size() > 1:
                 logits = gather_from_tensor_model_parallel_region(logits.unsqueeze(0))[0]
             logits = logits[: tokenizer.vocab_size].cpu() / temperature   # drop the vocabulary padding
@@ -45,3 +47,13 @@ def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int =
     finally:
         model.train(was_training)
     return tokenizer.detokenize(ids[start:])
+
+
+def _last_logits(model, context, pad_id: int, device, pad_multiple: int, seq_length: int) -> torch.Tensor:
+    """Logits (this rank's vocabulary shard) after the last token of `context`, run right-padded."""
+    padded = -(-len(context) // pad_multiple) * pad_multiple
+    if padded > seq_length:     # a full window of a sequence length that is no multiple: run it as it is
+        padded = len(context)
+    tokens = torch.tensor([context + [pad_id] * (padded - len(context))], device=device)
+    positions = torch.arange(padded, device=device).unsqueeze(0)
+    return model(tokens, positions, None)[0, len(context) - 1].float()

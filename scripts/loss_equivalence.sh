@@ -11,13 +11,19 @@
 #   TOLERANCE=0.01         largest relative deviation of the smoothed curves
 #   SMOOTH=5               trailing mean over this many logged points before comparing
 #   START_STEP=20          compare from this step on (the first steps move too fast to compare pointwise)
+#   WARMUP=STEPS/10        --lr-warmup-iters (without warm-up the first steps spike and the runs part ways early,
+#                          which measures chaos, not equivalence); an argument --lr-warmup-iters wins
 #   KEEP_DONE=0            1: keep a run whose directory already logged step STEPS instead of training it again
 #                          (to spread the runs over several sessions; delete a run's directory to redo it)
+#   CONCURRENT=1           train this many runs at once, run k of each wave on GPUs k*NPROC .. k*NPROC+NPROC-1
+#                          (CUDA_VISIBLE_DEVICES): the check takes about one run's time on a node with enough GPUs
+#                          (the first run starts alone and the others once it logged a step: the data's index cache)
 #   RUNS                   "name:flags;name:flags..."; the first is the reference. Default (GPU with TE):
 #                          stock-te-bf16:--spec stock-te --bf16;litespark-bf16:--spec litespark
 #                          --transformer-impl te --bf16;litespark-fp8:<the same> --fp8-format hybrid
 #
 #   bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32
+#   CONCURRENT=3 bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32   # 3 GPUs at once
 #   RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local" MODEL=tiny STEPS=50 \
 #       bash scripts/loss_equivalence.sh        # anywhere, CPU included
 # Exit status: 0 all within tolerance, 1 one is not (report.md says which), 2 bad input or a run that failed.
@@ -41,15 +47,18 @@ OUT_DIR="${OUT_DIR:-runs/equivalence}"
 TOLERANCE="${TOLERANCE:-0.01}"
 SMOOTH="${SMOOTH:-5}"
 START_STEP="${START_STEP:-20}"
+CONCURRENT="${CONCURRENT:-1}"
 TE="--spec litespark --transformer-impl te --bf16"
 RUNS="${RUNS:-stock-te-bf16:--spec stock-te --bf16;litespark-bf16:$TE;litespark-fp8:$TE --fp8-format hybrid}"
 PY="${PYTHON:-python3}"
 if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
 
-for v in STEPS NPROC SMOOTH START_STEP; do
-  [[ ${!v} =~ ^[0-9]+$ ]] && [ "$((10#${!v}))" -ge 1 -o "$v" = START_STEP ] || die "$v='${!v}' must be a positive integer"
+[[ $STEPS =~ ^[0-9]+$ ]] && WARMUP="${WARMUP:-$((10#$STEPS / 10))}"
+for v in STEPS NPROC SMOOTH START_STEP WARMUP CONCURRENT; do
+  [[ ${!v} =~ ^[0-9]+$ ]] && [ "$((10#${!v}))" -ge 1 -o "$v" = START_STEP -o "$v" = WARMUP ] || die "$v='${!v}' must be a positive integer"
 done
 [ "$START_STEP" -lt "$STEPS" ] || die "START_STEP=$START_STEP must be below STEPS=$STEPS"
+[ "$WARMUP" -lt "$STEPS" ] || die "WARMUP=$WARMUP must be below STEPS=$STEPS"
 
 names=()
 flags=()
@@ -66,9 +75,11 @@ done
 [ "${#names[@]}" -ge 2 ] || die "RUNS needs at least two runs (a reference first), got ${#names[@]}"
 
 # Logging every step keeps the curves comparable point by point; eval only at the end.
-COMMON=(--model "$MODEL" --train-iters "$STEPS" --log-interval 1 --eval-iters 0 --seed "${SEED:-1234}")
+COMMON=(--model "$MODEL" --train-iters "$STEPS" --lr-warmup-iters "$WARMUP" --log-interval 1 --eval-iters 0
+        --seed "${SEED:-1234}")
 mkdir -p "$OUT_DIR"
 dirs=()
+todo=()
 for i in "${!names[@]}"; do
   dir="$OUT_DIR/${names[$i]}"
   dirs+=("$dir")
@@ -76,11 +87,19 @@ for i in "${!names[@]}"; do
       r.get('kind') == 'train' and r.get('step') == $STEPS for r in map(json.loads, open(sys.argv[1]))) else 1)" \
       "$dir/metrics.jsonl"; then
     echo "[$((i + 1))/${#names[@]}] ${names[$i]}: kept (KEEP_DONE=1, $dir logged step $STEPS)"
-    continue
+  else
+    todo+=("$i")
   fi
+done
+
+# Starts run $1 in the background on slot $2 (its GPUs when CONCURRENT > 1) with the shared arguments after them;
+# its pid goes to $pid.
+start_run() {
+  local i=$1 slot=$2 dir="${dirs[$1]}" gpus="" d
+  shift 2
   rm -rf "$dir"
   # shellcheck disable=SC2206
-  extra=(${flags[$i]})
+  local extra=(${flags[$i]}) cmd
   if [ "$NPROC" -gt 1 ]; then
     cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m litespark_megatron)
   else
@@ -88,11 +107,39 @@ for i in "${!names[@]}"; do
   fi
   # The run's own flags last: they win over the shared arguments (what differs between runs is the point).
   cmd+=("${COMMON[@]}" "$@" "${extra[@]}" --tensorboard-dir "$dir")
-  echo "[$((i + 1))/${#names[@]}] ${names[$i]}: ${cmd[*]}"
-  if ! PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" >"$OUT_DIR/${names[$i]}.log" 2>&1; then
-    tail -5 "$OUT_DIR/${names[$i]}.log" >&2
-    die "run '${names[$i]}' failed (log: $OUT_DIR/${names[$i]}.log)"
+  if [ "$CONCURRENT" -gt 1 ]; then
+    for ((d = slot * NPROC; d < (slot + 1) * NPROC; d++)); do gpus+="${gpus:+,}$d"; done
   fi
+  echo "[$((i + 1))/${#names[@]}] ${names[$i]}:${gpus:+ CUDA_VISIBLE_DEVICES=$gpus} ${cmd[*]}"
+  (
+    [ -z "$gpus" ] || export CUDA_VISIBLE_DEVICES="$gpus"
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "${cmd[@]}" >"$OUT_DIR/${names[$i]}.log" 2>&1
+  ) &
+  pid=$!
+}
+
+# Waves of CONCURRENT runs; a failed run stops the script after its wave (the others' logs stay complete).
+for ((w = 0; w < ${#todo[@]}; w += CONCURRENT)); do
+  wave=("${todo[@]:w:CONCURRENT}")
+  pids=()
+  for slot in "${!wave[@]}"; do
+    start_run "${wave[$slot]}" "$slot" "$@"
+    pids+=("$pid")
+    if [ "$w" = 0 ] && [ "$slot" = 0 ] && [ "${#wave[@]}" -gt 1 ]; then
+      # The others start once the first has logged a step: megatron-core writes its dataset index cache without
+      # a lock, and a run that started at the same time could read it half-written.
+      until grep -qs '"kind": "train"' "${dirs[${wave[0]}]}/metrics.jsonl" || ! kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+      done
+      kill -0 "$pid" 2>/dev/null || break
+    fi
+  done
+  failed=()
+  for slot in "${!pids[@]}"; do
+    wait "${pids[$slot]}" || failed+=("${names[${wave[$slot]}]}")
+  done
+  for name in "${failed[@]}"; do tail -5 "$OUT_DIR/$name.log" >&2; done
+  [ "${#failed[@]}" -eq 0 ] || die "run '${failed[0]}' failed (log: $OUT_DIR/${failed[0]}.log)"
 done
 
 set +e

@@ -29,6 +29,7 @@ def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     for name in ("stock-local", "litespark-local", "other-lr"):
         assert (tmp_path / "eq" / name / "metrics.jsonl").exists()
     # The resolved command of each run is printed; the runs' own flags come after the shared ones and win.
+    assert "--train-iters 8 --lr-warmup-iters 0 --log-interval 1" in proc.stdout      # WARMUP = STEPS / 10
     assert "--lr 3e-3 --spec stock-local --tensorboard-dir" in proc.stdout
     assert "--lr 3e-3 --transformer-impl local --lr 3e-2 --tensorboard-dir" in proc.stdout
     # KEEP_DONE=1: finished runs are kept (not retrained), and the comparison is the same.
@@ -44,6 +45,8 @@ def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     (dict(RUNS="a --spec stock-local;b:"), "RUNS entry 'a --spec stock-local' is not name:flags"),
     (dict(STEPS="ten"), "STEPS='ten' must be a positive integer"),
     (dict(STEPS="10", START_STEP="10"), "START_STEP=10 must be below STEPS=10"),
+    (dict(STEPS="10", START_STEP="2", WARMUP="10"), "WARMUP=10 must be below STEPS=10"),
+    (dict(CONCURRENT="0"), "CONCURRENT='0' must be a positive integer"),
 ])
 def test_bad_knobs_fail_before_training(tmp_path, knobs, message):
     proc = equivalence(tmp_path, *DATA, **knobs)
@@ -51,9 +54,24 @@ def test_bad_knobs_fail_before_training(tmp_path, knobs, message):
     assert not (tmp_path / "eq").exists() or not any((tmp_path / "eq").iterdir())
 
 
-def test_a_failing_run_stops_the_script(tmp_path):
-    proc = equivalence(tmp_path, *DATA, STEPS="4", START_STEP="1",
+@pytest.mark.parametrize("concurrent", ["1", "2"])
+def test_a_failing_run_stops_the_script(tmp_path, concurrent):
+    proc = equivalence(tmp_path, *DATA, STEPS="4", START_STEP="1", CONCURRENT=concurrent,
                        RUNS="a:--transformer-impl local;b:--transformer-impl local --tensor-model-parallel-size 2")
     assert proc.returncode == 2
     assert "loss_equivalence.sh: error: run 'b' failed (log: " in proc.stderr
     assert "world size 1 is not divisible by TP" in proc.stderr
+    assert "done: 4 steps" in (tmp_path / "eq" / "a.log").read_text()     # its wave-mate ran to the end
+
+
+def test_concurrent_waves_place_each_run_on_its_own_gpus(tmp_path):
+    """CONCURRENT=2, NPROC=1, three runs: two waves; in each wave run k sees GPU k only (CUDA_VISIBLE_DEVICES).
+    On the CPU the variable changes nothing, so the curves are the sequential ones."""
+    proc = equivalence(tmp_path, *DATA, STEPS="6", START_STEP="2", SMOOTH="2", TOLERANCE="0.001", CONCURRENT="2",
+                       RUNS="ref:--spec stock-local;same:--transformer-impl local;third:--transformer-impl local")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert [line.split(" python")[0] for line in lines] == [
+        "[1/3] ref: CUDA_VISIBLE_DEVICES=0", "[2/3] same: CUDA_VISIBLE_DEVICES=1", "[3/3] third: CUDA_VISIBLE_DEVICES=0"]
+    report = (tmp_path / "eq" / "report.md").read_text()
+    assert "| same | 5 (2-6) |" in report and "| third | 5 (2-6) |" in report and report.count("| yes |") == 2
