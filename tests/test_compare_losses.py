@@ -37,6 +37,9 @@ def test_deviation_arithmetic_and_a_drifting_run(tmp_path, capsys):
     c = compare(ref, drift, "drift", tolerance=0.02)
     assert c.steps == [10, 20, 30, 40] and c.deviations == pytest.approx([0.0, 0.01, 0.01, 0.05])
     assert (c.max_deviation, c.worst_step, c.within) == (pytest.approx(0.05), 40, False)
+    assert c.mean_deviation == pytest.approx((0.0 + 0.01 + 0.01 + 0.05) / 4)       # all above: the signs add up
+    lower = compare(ref, {10: 4.0, 20: 2.97, 30: 2.02, 40: 2.0}, "noise", tolerance=0.02)
+    assert lower.mean_deviation == pytest.approx((-0.01 + 0.01) / 4) and lower.max_deviation == pytest.approx(0.01)
     c = compare(ref, drift, "drift", tolerance=0.02, smooth=2, start_step=20)
     assert c.steps == [20, 30, 40] and c.deviations[-1] == pytest.approx((2.06 - 2.0) / 2.0)  # means of (2.02, 2.1) and (2, 2)
     tool = load_tool("compare_losses")
@@ -44,7 +47,7 @@ def test_deviation_arithmetic_and_a_drifting_run(tmp_path, capsys):
     b = write_metrics(tmp_path / "drift" / "metrics.jsonl", drift)
     assert tool.main([str(a.parent), str(b), "--tolerance", "0.02"]) == 1
     out = capsys.readouterr().out
-    assert "| drift | 4 (10-40) | 2.1000 / 2.0000 | 5.00% | 5.00% (40) | 2.00% | NO |" in out
+    assert "| drift | 4 (10-40) | 2.1000 / 2.0000 | 5.00% | 5.00% (40) | +1.75% | 2.00% | NO |" in out
 
 
 @pytest.mark.parametrize("make, argv, message", [

@@ -10,6 +10,11 @@ where `smoothed` is the trailing mean over the last `smooth` logged points (1 = 
 tolerance when its largest deviation is at most `tolerance`. This is how "Litespark stays within 1% of the stock
 Megatron-Core loss curve" is checked; the smoothing removes the step-to-step noise of different kernels (FP8
 scaling, fused reductions) without hiding a drift.
+
+The table also gives the signed mean deviation, mean((run - ref) / ref): rounding noise wanders both ways and
+averages out, a systematic difference (a run that learns faster or slower) does not. Read both against a run of
+the reference's own function that differs only in rounding (e.g. stock with --no-gradient-accumulation-fusion):
+at small batches two such runs can part by more than 1% pointwise, and that is the noise floor.
 """
 from __future__ import annotations
 
@@ -78,6 +83,11 @@ class Comparison:
         return self.steps[self.deviations.index(self.max_deviation)]
 
     @property
+    def mean_deviation(self) -> float:
+        """Signed: below zero, the run's loss is lower than the reference's on average."""
+        return sum((g - r) / abs(r) for g, r in zip(self.losses, self.reference)) / len(self.steps)
+
+    @property
     def final_deviation(self) -> float:
         return self.deviations[-1]
 
@@ -108,12 +118,12 @@ def compare(reference: Dict[int, float], run: Dict[int, float], name: str, toler
 def render(reference_name: str, comparisons: List[Comparison], smooth: int, start_step: int) -> str:
     lines = [f"reference: {reference_name}; trailing mean over {smooth} logged point(s); steps >= {start_step}", "",
              "| run | steps compared | final loss (run / reference) | final deviation | max deviation (at step) "
-             "| tolerance | within |",
-             "|---|---|---|---|---|---|---|"]
+             "| mean deviation (signed) | tolerance | within |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
         lines.append(f"| {c.run} | {len(c.steps)} ({c.steps[0]}-{c.steps[-1]}) | {c.losses[-1]:.4f} / "
                      f"{c.reference[-1]:.4f} | {c.final_deviation:.2%} | {c.max_deviation:.2%} ({c.worst_step}) | "
-                     f"{c.tolerance:.2%} | {'yes' if c.within else 'NO'} |")
+                     f"{c.mean_deviation:+.2%} | {c.tolerance:.2%} | {'yes' if c.within else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
