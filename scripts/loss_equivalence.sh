@@ -119,6 +119,8 @@ start_run() {
 }
 
 # Waves of CONCURRENT runs; a failed run stops the script after its wave (the others' logs stay complete).
+# Interrupted, the script stops the runs it started.
+trap 'kill $(jobs -p) 2>/dev/null; exit 130' INT TERM
 for ((w = 0; w < ${#todo[@]}; w += CONCURRENT)); do
   wave=("${todo[@]:w:CONCURRENT}")
   pids=()

@@ -1,6 +1,8 @@
 """scripts/loss_equivalence.sh: trains every run of RUNS from the same seed and data and checks their loss curves
 against the first (tools/compare_losses.py). CPU: stock megatron-core local spec vs Litespark local (the same
 function, so the same curve) and a run with another learning rate (a different curve)."""
+import sys
+
 import pytest
 
 from conftest import ROOT, child_env, run
@@ -66,12 +68,27 @@ def test_a_failing_run_stops_the_script(tmp_path, concurrent):
 
 def test_concurrent_waves_place_each_run_on_its_own_gpus(tmp_path):
     """CONCURRENT=2, NPROC=1, three runs: two waves; in each wave run k sees GPU k only (CUDA_VISIBLE_DEVICES).
-    On the CPU the variable changes nothing, so the curves are the sequential ones."""
+    On the CPU the variable changes nothing, so the curves are the sequential ones. A python wrapper records, as
+    each run starts, its devices and how many train records the first run had logged by then: the first run's
+    wave-mate waits for one (megatron-core's index cache), the next wave need not."""
+    wrapper = tmp_path / "python-wrapper"
+    ref_metrics = tmp_path / "eq" / "ref" / "metrics.jsonl"
+    wrapper.write_text(f"""#!/usr/bin/env bash
+if [ "$1 $2" = "-m litespark_megatron" ]; then
+  echo "$CUDA_VISIBLE_DEVICES $(grep -cs '"kind": "train"' {ref_metrics})" >> {tmp_path / "starts.txt"}
+fi
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
     proc = equivalence(tmp_path, *DATA, STEPS="6", START_STEP="2", SMOOTH="2", TOLERANCE="0.001", CONCURRENT="2",
+                       PYTHON=str(wrapper),
                        RUNS="ref:--spec stock-local;same:--transformer-impl local;third:--transformer-impl local")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert [line.split(" python")[0] for line in lines] == [
+    assert [line.split(" /")[0] for line in lines] == [
         "[1/3] ref: CUDA_VISIBLE_DEVICES=0", "[2/3] same: CUDA_VISIBLE_DEVICES=1", "[3/3] third: CUDA_VISIBLE_DEVICES=0"]
+    starts = [line.split() for line in (tmp_path / "starts.txt").read_text().splitlines()]
+    assert starts[0] == ["0"] and starts[1][0] == "1" and int(starts[1][1]) >= 1, starts    # ["0"]: no file yet
+    assert starts[2] == ["0", "6"], starts         # the second wave starts after the first finished
     report = (tmp_path / "eq" / "report.md").read_text()
     assert "| same | 5 (2-6) |" in report and "| third | 5 (2-6) |" in report and report.count("| yes |") == 2
