@@ -11,8 +11,8 @@
 #   TOLERANCE=0.01         largest relative deviation of the smoothed curves
 #   SMOOTH=5               trailing mean over this many logged points before comparing
 #   START_STEP=20          compare from this step on (the first steps move too fast to compare pointwise)
-#   WARMUP=STEPS/10        --lr-warmup-iters (without warm-up the first steps spike and the runs part ways early,
-#                          which measures chaos, not equivalence); an argument --lr-warmup-iters wins
+#   WARMUP=STEPS/10        --lr-warmup-iters (early loss spikes are where runs part ways; warm-up softens them);
+#                          an argument --lr-warmup-iters wins
 #   KEEP_DONE=0            1: keep a run whose directory already logged step STEPS instead of training it again
 #                          (to spread the runs over several sessions; delete a run's directory to redo it)
 #   CONCURRENT=1           train this many runs at once, run k of each wave on GPUs k*NPROC .. k*NPROC+NPROC-1
@@ -21,6 +21,9 @@
 #   RUNS                   "name:flags;name:flags..."; the first is the reference. Default (GPU with TE):
 #                          stock-te-bf16:--spec stock-te --bf16;litespark-bf16:--spec litespark
 #                          --transformer-impl te --bf16;litespark-fp8:<the same> --fp8-format hybrid
+#                          Add a noise floor to read the others against: the reference with other rounding only,
+#                          e.g. "stock-noise:--spec stock-te --bf16 --no-gradient-accumulation-fusion" (at small
+#                          batches two such runs can part by more than 1%: docs/benchmarks.md)
 #
 #   bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32
 #   CONCURRENT=3 bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32   # 3 GPUs at once
