@@ -379,9 +379,10 @@ def validate(args: argparse.Namespace, world_size: int, *, cuda: bool, te: bool,
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
     backend = resolved_backend(args, cuda=cuda, te=te)
     if cp > 1:
-        if backend != "te":
-            raise ConfigError("--context-parallel-size > 1 needs the Transformer Engine backend on GPU "
-                              "(--transformer-impl te, pip install litespark-megatron[te])")
+        if args.spec == "stock-local":
+            raise ConfigError("--context-parallel-size > 1: the stock-local spec's attention (megatron-core's "
+                              "DotProductAttention) has no context parallelism; use --spec litespark (either "
+                              "backend) or stock-te")
         if args.seq_length % (2 * cp):
             raise ConfigError(f"--seq-length {args.seq_length} must be divisible by 2 x CP = {2 * cp}")
     if args.fp8_format is not None:

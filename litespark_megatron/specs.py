@@ -45,15 +45,14 @@ def _keys_map(multi_latent_attention: bool, moe: bool) -> dict:
 
 
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
-                             num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                             context_parallel: bool = False) -> ModuleSpec:
+                             num_experts: Optional[int] = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     Core attention is torch's scaled_dot_product_attention (LitesparkCoreAttention) on both backends: on Hopper it
     runs cuDNN's / flash attention's fused kernels straight from torch, so the layer does not depend on which
     attention backends the installed Transformer Engine can load (where TE's fused attention is unavailable, TE
-    falls back to an unfused softmax attention that was measured 2.5x slower). With context parallelism (te only)
-    it is TE's DotProductAttention, which implements the ring exchange.
+    falls back to an unfused softmax attention that was measured 2.5x slower). Under context parallelism it
+    all-gathers keys and values over the CP group (see layers/attention.py).
 
     Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention
     with Litespark core attention and RMSNorm latent norms (local) / TE modules (te). MLP: the Litespark SwiGLU MLP,
@@ -70,14 +69,13 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
     if backend == "te":
         from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelLinear, TEDotProductAttention, TELayerNormColumnParallelLinear, TELinear, TENorm,
-            TERowParallelLinear)
+            TEColumnParallelLinear, TELayerNormColumnParallelLinear, TELinear, TENorm, TERowParallelLinear)
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         norm = TENorm
         fused_norm = IdentityOp  # the norm lives inside the next TELayerNormColumnParallelLinear
         qkv = fc1 = TELayerNormColumnParallelLinear
-        core_attention = TEDotProductAttention if context_parallel else LitesparkCoreAttention
+        core_attention = LitesparkCoreAttention
         proj = fc2 = TERowParallelLinear
         # MLA: the down projections are replicated (TE 'duplicated'); the up projections carry the latent norms.
         mla_linears = dict(linear_q_proj=TEColumnParallelLinear, linear_q_down_proj=TELinear,
@@ -140,13 +138,12 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
 
 def get_layer_spec(spec: str, backend: str, multi_latent_attention: bool = False, num_experts: Optional[int] = None,
-                   moe_grouped_gemm: bool = False, context_parallel: bool = False) -> ModuleSpec:
-    """The layer spec named by --spec; `backend` ("te"/"local") and `context_parallel` apply to the litespark
-    spec."""
+                   moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """The layer spec named by --spec; `backend` ("te"/"local") applies to the litespark spec."""
     arch = dict(multi_latent_attention=multi_latent_attention, num_experts=num_experts,
                 moe_grouped_gemm=moe_grouped_gemm)
     if spec == "litespark":
-        return get_litespark_layer_spec(backend, context_parallel=context_parallel, **arch)
+        return get_litespark_layer_spec(backend, **arch)
     # The stock MLA layer normalizes its latents only with qk_layernorm (as DeepSeek-V2 does): turn it on for MLA.
     if spec == "stock-te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -179,7 +176,6 @@ def block_spec(spec: str, backend: str, config, vp_stage=None, pp_rank=None) -> 
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     layer = get_layer_spec(spec, backend, multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)),
-                           num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
-                           context_parallel=config.context_parallel_size > 1)
+                           num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm))
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm(spec, backend))

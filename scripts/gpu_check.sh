@@ -47,7 +47,10 @@ if has multi && [ "$NGPU" -ge 2 ]; then
   run te-pp2 2 --transformer-impl te --bf16 --pipeline-model-parallel-size 2
   run te-dp2-distopt 2 --transformer-impl te --bf16 --use-distributed-optimizer
   run te-cp2 2 --transformer-impl te --bf16 --context-parallel-size 2
+  [ "$FP8" = 1 ] && run te-cp2-fp8 2 --transformer-impl te --bf16 --fp8-format hybrid --context-parallel-size 2
+  run stock-te-cp2 2 --spec stock-te --bf16 --context-parallel-size 2
   run local-tp2-sp 2 --transformer-impl local --bf16 --tensor-model-parallel-size 2 --sequence-parallel
   run local-dp2 2 --transformer-impl local --bf16
+  run local-cp2 2 --transformer-impl local --bf16 --context-parallel-size 2
 fi
 printf '%s\n' "${results[@]}" | tee "$OUT_DIR/summary.txt"

@@ -28,6 +28,8 @@ LAYOUTS = {
     "mla-dp2": (2, MLA, []),
     "mla-tp2-sp": (2, MLA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "mla-pp2": (2, MLA, ["--pipeline-model-parallel-size", "2"]),
+    "mla-cp2": (2, MLA, ["--context-parallel-size", "2"]),
+    "moe-cp2-ep2": (2, MOE, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
 }
 
 

@@ -17,27 +17,52 @@ def test_rms_norm_reference_matches_torch():
     torch.testing.assert_close(kernels.rms_norm_reference(x, w, 1e-5), F.rms_norm(x, (32,), w, 1e-5))
 
 
-def test_core_attention_equals_explicit_softmax():
-    """LitesparkCoreAttention (SDPA, causal, grouped KV) against an explicit masked softmax in float64."""
+def _core_attention(d):
     from types import SimpleNamespace
 
     from megatron.core.transformer.enums import AttnMaskType
 
     from litespark_megatron.layers.attention import LitesparkCoreAttention
 
-    s, b, heads, groups, d = 12, 2, 4, 2, 8
     config = SimpleNamespace(attention_dropout=0.0, kv_channels=d, context_parallel_size=1)
-    attn = LitesparkCoreAttention.__new__(LitesparkCoreAttention)
-    torch.nn.Module.__init__(attn)
-    attn.config, attn.dropout, attn.softmax_scale = config, 0.0, d ** -0.5
+    return LitesparkCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
+
+
+def _explicit_attention(q, k, v):
+    """softmax over [sq, b, h, d] queries that are the last sq positions of [sk, b, hk, d] keys, in float64."""
+    (sq, b, heads, d), (sk, groups) = q.shape, k.shape[::2]
+    kr, vr = (t.double().repeat_interleave(heads // groups, dim=2) for t in (k, v))
+    scores = torch.einsum("sbhd,tbhd->bhst", q.double(), kr) * d ** -0.5
+    future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vr).reshape(sq, b, heads * d)
+
+
+def test_core_attention_equals_explicit_softmax():
+    """LitesparkCoreAttention (SDPA, causal, grouped KV) against an explicit masked softmax in float64."""
+    s, b, heads, groups, d = 12, 2, 4, 2, 8
     q = torch.randn(s, b, heads, d, dtype=torch.float64)
     k, v = torch.randn(s, b, groups, d, dtype=torch.float64), torch.randn(s, b, groups, d, dtype=torch.float64)
-    out = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal)
-    kr, vr = (t.repeat_interleave(heads // groups, dim=2) for t in (k, v))
-    scores = torch.einsum("sbhd,tbhd->bhst", q, kr) * d ** -0.5
-    scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), float("-inf"))
-    ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vr).reshape(s, b, heads * d)
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(_core_attention(d)(q, k, v, None), _explicit_attention(q, k, v))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the flash-attention path (bf16 on CUDA) needs a GPU"))])
+def test_queries_at_the_end_of_longer_keys(device):
+    """Context parallelism attends a chunk of queries to every key before it: the causal diagonal sits at the end
+    of the keys (bottom-right), with grouped KV heads. CPU: explicit mask in float64; CUDA: bf16 through
+    flash attention's lower-right causal mode."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    sq, sk, b, heads, groups, d = 16, 48, 2, 8, 2, 64
+    q = torch.randn(sq, b, heads, d, dtype=dtype, device=device)
+    k, v = (torch.randn(sk, b, groups, d, dtype=dtype, device=device) for _ in range(2))
+    out = _core_attention(d)._attend(q, k, v)  # [b, h, sq, d]
+    got = out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+    tol = {} if device == "cpu" else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.double(), _explicit_attention(q, k, v), **tol)
+    # The first query sees sk - sq + 1 keys, not 1: a top-left causal mask would give another answer.
+    top_left = _core_attention(d)._attend(q, k[:sq], v[:sq]).permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+    assert (top_left.double() - got.double()).abs().max() > 0.1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")

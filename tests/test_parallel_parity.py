@@ -16,6 +16,9 @@ LAYOUTS = {
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "dp2-distopt-overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "cp2-tp2-sp": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "cp2-dp2-distopt": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"]),
 }
 
 

@@ -118,6 +118,22 @@ def test_tp_volume_tiny_shape():
     assert full.breakdown["tp_comm"] == pytest.approx(2 * (26 * 65_536 / 1e11 + 3 * 1_024 / 1e11))
 
 
+def test_context_parallel_terms():
+    # llama-1b (16 layers, 8 KV heads of 64) CP2 on 2 GPUs, micro-batch 1 of 4096: per layer an all-gather of the
+    # whole sequence's K and V (4096 x 2 x 8 x 64 x 2 bytes = 8 MiB) and a reduce-scatter of their gradients,
+    # each 1/2 x 8 MiB / 100 GB/s.
+    shape = preset_shape("llama-1b")
+    meas = Measurement(tokens_per_sec_per_gpu=28_021, seq_length=4096, micro_batch_size=1, global_batch_size=8)
+    ic = dataclasses.replace(PLAIN, gpus_per_node=2)
+    kv = 4096 * 2 * 8 * 64 * 2
+    for recompute, gathers in ((None, 1), ("full", 2)):
+        est = estimate(shape, Layout(context_parallel_size=2, recompute_granularity=recompute), nodes=1,
+                       global_batch_size=8, micro_batch_size=1, measured=meas, peak=H200, interconnect=ic,
+                       hbm_tbps=4.8)
+        assert est.num_microbatches == 8 and est.groups["cp"].where == "intra-node"
+        assert est.breakdown["cp_exposed"] == pytest.approx(8 * 16 * (gathers + 1) * kv / 2 / 1e11)
+
+
 def test_pipeline_terms():
     # llama-1b PP2 x 2 virtual stages (4 layers each) on 2 GPUs, global batch 8 of 1: m = 8.
     shape = preset_shape("llama-1b")

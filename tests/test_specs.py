@@ -47,12 +47,10 @@ def test_spec_module_tree():
     assert sub.sharded_state_dict_keys_map == LOCAL_TO_TE_KEYS
 
 
-def test_te_backend_attention_is_sdpa_except_under_context_parallelism():
-    """The te backend runs torch SDPA core attention (independent of which attention backends TE can load); only
-    context parallelism takes TE's DotProductAttention, which implements the ring exchange. (megatron-core defines
-    its TE classes even where TE is absent, so the spec is data here too.)"""
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
+def test_te_backend_attention_is_sdpa():
+    """The te backend runs torch SDPA core attention (independent of which attention backends TE can load), context
+    parallelism included. (megatron-core defines its TE classes even where TE is absent, so the spec is data here
+    too.)"""
     from litespark_megatron.layers import LitesparkCoreAttention
     from litespark_megatron.specs import get_litespark_layer_spec
 
@@ -61,8 +59,6 @@ def test_te_backend_attention_is_sdpa_except_under_context_parallelism():
 
     assert core() is LitesparkCoreAttention
     assert core(multi_latent_attention=True) is LitesparkCoreAttention
-    assert core(context_parallel=True) is TEDotProductAttention
-    assert core(context_parallel=True, multi_latent_attention=True) is TEDotProductAttention
 
 
 def test_unknown_backend_and_spec_are_refused():

@@ -4,10 +4,15 @@
 interchangeable with the stock specs) but runs a short training forward: QKV projection, RoPE on q and k, core
 attention, output projection. Inference with a KV cache goes through megatron-core's own path.
 
-`LitesparkCoreAttention` is the core attention of both backends (the te backend switches to TE's attention only
-for context parallelism): torch's scaled_dot_product_attention with a causal mask and grouped KV heads, which
-dispatches to cuDNN / flash / memory-efficient kernels and never materializes the [b, heads, s, s] score matrix
-that megatron-core's DotProductAttention (and TE's unfused fallback) builds.
+`LitesparkCoreAttention` is the core attention of both backends: torch's scaled_dot_product_attention with a causal
+mask and grouped KV heads, which dispatches to cuDNN / flash / memory-efficient kernels and never materializes the
+[b, heads, s, s] score matrix that megatron-core's DotProductAttention (and TE's unfused fallback) builds.
+
+Context parallelism is all-gather attention (as in Llama 3's training): each CP rank holds sequence chunks i and
+2*CP-1-i of 2*CP (megatron-core's load-balanced split), gathers every rank's keys and values (small under GQA: KV
+heads are a fraction of the query heads), and attends its two query chunks to the keys up to their own position.
+The gradient of the gathered keys and values is reduce-scattered back in the backward. It needs no attention
+kernel of TE's, so CP runs on both backends, on CPU too.
 """
 from __future__ import annotations
 
@@ -16,7 +21,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -31,8 +39,10 @@ class LitesparkCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"LitesparkCoreAttention supports causal masks only, got {attn_mask_type}")
+        self.cp_group = None
         if config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs TE's attention (the te backend builds it for CP > 1)")
+            self.cp_group = pg_collection.cp if pg_collection is not None else \
+                parallel_state.get_context_parallel_group()
         self.dropout = config.attention_dropout
         kv_channels = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
@@ -43,14 +53,43 @@ class LitesparkCoreAttention(MegatronModule):
             raise ValueError("packed sequences need the te backend")
         if attention_bias is not None:
             raise ValueError("attention bias is not supported by LitesparkCoreAttention")
+        if self.cp_group is not None:
+            return self._context_parallel_forward(query, key, value)
+        s, b = query.size(0), query.size(1)
+        return self._attend(query, key, value).permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _attend(self, query, key, value):
+        """Causal attention of [sq, b, h, d] queries to the last sq of [sk, b, hk, d] keys/values (sk >= sq): the
+        causal diagonal is aligned to the end of the keys. Returns [b, h, sq, d]."""
         # [s, b, h, d] -> [b, h, s, d]; SDPA repeats the grouped KV heads internally (no copy).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.size(1) != k.size(1))
+        sq, sk = q.size(2), k.size(2)
+        mask, causal = None, True
+        if sk != sq:  # queries are the last sq positions: their causal mask is aligned bottom-right
+            causal = False
+            # causal_lower_right reaches flash attention on CUDA (which supports GQA); elsewhere it would warn
+            # about every fused kernel it cannot use and materialize the mask anyway.
+            mask = causal_lower_right(sq, sk) if q.is_cuda else \
+                torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.size(1) != k.size(1))
+
+    def _context_parallel_forward(self, query, key, value):
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
         s, b = query.size(0), query.size(1)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        c = s // 2  # this rank holds global chunks `rank` and `2*cp-1-rank`, c positions each
+        # One all-gather for keys and values (autograd: reduce-scatter of their gradients in the backward).
+        kv = gather_from_sequence_parallel_region(torch.cat([key, value], dim=-1), group=self.cp_group)
+        # Gathered in rank order (rank r's chunks r, 2cp-1-r); put the chunks in sequence order.
+        order = [0] * (2 * cp)
+        for r in range(cp):
+            order[r], order[2 * cp - 1 - r] = 2 * r, 2 * r + 1
+        kv = kv.view(2 * cp, c, *kv.shape[1:])[torch.tensor(order, device=kv.device)].flatten(0, 1)
+        key, value = kv.split([key.size(-1), value.size(-1)], dim=-1)
+        outs = [self._attend(q_chunk, key[: (chunk + 1) * c], value[: (chunk + 1) * c])
+                for q_chunk, chunk in ((query[:c], rank), (query[c:], 2 * cp - 1 - rank))]
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 class LitesparkSelfAttention(SelfAttention):

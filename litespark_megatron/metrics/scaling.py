@@ -13,8 +13,9 @@ backward time of one micro-batch. The estimate then runs that micro-batch on the
   each, the vocabulary-parallel loss 3 small all-reduces. Exposed: Megatron runs them on the compute stream;
 * PP: 1F1B with m micro-batches per step: bubble = (pp-1)/v micro-batch times (fraction (pp-1)/(v m + pp-1));
   each micro-batch sends its activations forward and its gradients back at every stage boundary;
-* CP: ring attention (Transformer Engine's P2P CP) passes each rank's K and V around the ring, cp-1 steps per
-  layer forward and (K, V, dK, dV) backward, each step overlapped with one step of attention compute;
+* CP: Litespark's all-gather attention: per layer an all-gather of every rank's K and V over the CP group
+  forward (again with full recomputation) and a reduce-scatter of their gradients backward, exposed (the
+  attention waits for them);
 * DP (gradients are reduced over the data-parallel x context-parallel group): all-reduce of the gradient
   buffer, or reduce-scatter of gradients + all-gather of parameters with the distributed optimizer; exposed
   unless --overlap-grad-reduce / --overlap-param-gather;
@@ -333,7 +334,7 @@ def optimizer_bytes(params: float, dp: int, distributed: bool, grad_bytes: int) 
 
 
 def _kv_width(shape: ModelShape) -> int:
-    """K and V values per token per layer that ring attention passes around (all heads)."""
+    """K and V values per token per layer that context parallelism exchanges (all heads)."""
     if shape.mla is None:
         return 2 * shape.num_query_groups * shape.kv_channels
     m = shape.mla
@@ -485,10 +486,11 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     t_loss_ar = 3 * all_reduce_s(b * (s // cp) * 4, groups["tp"], ic)
     ar_per_layer = 4 + (2 if layout.recompute_granularity == "full" else 0)
 
-    kv_step_bytes = b * (s // cp) * _kv_width(shape) // tp * act_bytes
-    cp_inter = groups["cp"].nodes_spanned > 1
-    t_kv_fwd = p2p_s(kv_step_bytes, cp_inter, ic) if cp > 1 else 0.0
-    t_kv_bwd = p2p_s(2 * kv_step_bytes, cp_inter, ic) if cp > 1 else 0.0
+    # CP: the gathered K and V of the whole sequence (this TP rank's heads); all-gather forward (twice with full
+    # recomputation), reduce-scatter of their gradients backward.
+    kv_bytes = b * s * _kv_width(shape) // tp * act_bytes
+    gathers = 2 if layout.recompute_granularity == "full" else 1
+    t_cp_layer = gathers * all_gather_s(kv_bytes, groups["cp"], ic) + reduce_scatter_s(kv_bytes, groups["cp"], ic)
 
     stages = []
     for r in range(pp):
@@ -496,14 +498,7 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
         compute = t_mb_one_gpu * fwd / total_fwd / (tp * cp)
         n_ar = ar_per_layer * len(stage_layers[r]) + (1 if r == 0 else 0) + (1 if r == pp - 1 else 0)
         tp_comm = n_ar * t_tp_ar + (t_loss_ar if r == pp - 1 else 0.0)
-        cp_exposed = 0.0
-        if cp > 1:
-            for i in stage_layers[r]:
-                # Attention core of this layer on this rank, forward (1/3 of its training FLOPs) and backward
-                # (2/3), split into cp ring steps; cp-1 transfers, each hidden behind one step of compute.
-                attn = t_mb_one_gpu * layer_fwd[i].attention_core / total_fwd / (tp * cp)
-                step_f, step_b = attn / 3 / cp, 2 * attn / 3 / cp
-                cp_exposed += (cp - 1) * (max(0.0, t_kv_fwd - step_f) + max(0.0, t_kv_bwd - step_b))
+        cp_exposed = len(stage_layers[r]) * t_cp_layer
         params = len(stage_layers[r]) * ((layer_params - norm_params) / tp + norm_params)
         if r == 0:
             params += emb_params / tp
@@ -575,8 +570,7 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
                    critical_stage_params=stages[crit]["params"],
                    stage_compute_imbalance=(max(x["compute"] for x in stages)
                                             / (sum(x["compute"] for x in stages) / pp)),
-                   pp_bubble_fraction=pipeline_bubble_fraction(pp, m, v), cp_kv_send_forward_s=t_kv_fwd,
-                   cp_kv_send_backward_s=t_kv_bwd,
+                   pp_bubble_fraction=pipeline_bubble_fraction(pp, m, v), cp_kv_exchange_per_layer_s=t_cp_layer,
                    hbm_bytes_per_s=hbm_bytes_per_s, total_params=float(total_params))
 
     assumptions += [
