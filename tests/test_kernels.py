@@ -46,23 +46,50 @@ def test_core_attention_equals_explicit_softmax():
     torch.testing.assert_close(_core_attention(d)(q, k, v, None), _explicit_attention(q, k, v))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the flash-attention path (bf16 on CUDA) needs a GPU"))])
-def test_queries_at_the_end_of_longer_keys(device):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA attention paths need a GPU")
+
+
+@pytest.mark.parametrize("device, impl", [("cpu", "sdpa-mask"), pytest.param("cuda", "cudnn-split", marks=CUDA),
+                                          pytest.param("cuda", "sdpa-lower-right", marks=CUDA)])
+def test_queries_at_the_end_of_longer_keys(device, impl, monkeypatch):
     """Context parallelism attends a chunk of queries to every key before it: the causal diagonal sits at the end
-    of the keys (bottom-right), with grouped KV heads. CPU: explicit mask in float64; CUDA: bf16 through
-    flash attention's lower-right causal mode."""
+    of the keys (bottom-right), with grouped KV heads. Output and gradients against an explicit float64 softmax:
+    CPU in float64 (explicit mask); CUDA in bf16 through each implementation (cuDNN split + merged backward, and
+    FlashAttention's lower-right mode)."""
+    from litespark_megatron.layers import prefix_attention
+
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
-    sq, sk, b, heads, groups, d = 16, 48, 2, 8, 2, 64
-    q = torch.randn(sq, b, heads, d, dtype=dtype, device=device)
-    k, v = (torch.randn(sk, b, groups, d, dtype=dtype, device=device) for _ in range(2))
+    sq, sk, b, heads, groups, d = 128, 384, 2, 8, 2, 64
+    q = torch.randn(sq, b, heads, d, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(sk, b, groups, d, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    assert prefix_attention.prefix_causal_impl(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                               0.0) == ("sdpa-mask" if device == "cpu" else "cudnn-split")
+    monkeypatch.setattr(prefix_attention, "prefix_causal_impl", lambda *a: impl)
     out = _core_attention(d)._attend(q, k, v)  # [b, h, sq, d]
     got = out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+    dout = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _explicit_attention(q64, k64, v64)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     tol = {} if device == "cpu" else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.double(), _explicit_attention(q, k, v), **tol)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, **tol, msg=lambda m: f"d{name}: {m}")
     # The first query sees sk - sq + 1 keys, not 1: a top-left causal mask would give another answer.
     top_left = _core_attention(d)._attend(q, k[:sq], v[:sq]).permute(2, 0, 1, 3).reshape(sq, b, heads * d)
     assert (top_left.double() - got.double()).abs().max() > 0.1
+
+
+@CUDA
+def test_prefix_attention_falls_back_where_cudnn_cannot_run():
+    from litespark_megatron.layers.prefix_attention import prefix_causal_impl
+
+    q = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 384, 64, device="cuda", dtype=torch.bfloat16)
+    assert prefix_causal_impl(q, k, k, 0.0) == "cudnn-split"
+    assert prefix_causal_impl(q, k, k, 0.1) == "sdpa-lower-right"  # attention dropout: cuDNN split has none
+    assert prefix_causal_impl(q.float(), k.float(), k.float(), 0.0) == "sdpa-lower-right"  # fp32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")

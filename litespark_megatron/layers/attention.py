@@ -12,7 +12,8 @@ Context parallelism is all-gather attention (as in Llama 3's training): each CP 
 2*CP-1-i of 2*CP (megatron-core's load-balanced split), gathers every rank's keys and values (small under GQA: KV
 heads are a fraction of the query heads), and attends its two query chunks to the keys up to their own position.
 The gradient of the gathered keys and values is reduce-scattered back in the backward. It needs no attention
-kernel of TE's, so CP runs on both backends, on CPU too.
+kernel of TE's, so CP runs on both backends, on CPU too. A query chunk's attention to the keys before and up to
+it: layers/prefix_attention.py.
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from .prefix_attention import prefix_causal_attention
 
 
 class LitesparkCoreAttention(MegatronModule):
@@ -63,17 +65,11 @@ class LitesparkCoreAttention(MegatronModule):
         causal diagonal is aligned to the end of the keys. Returns [b, h, sq, d]."""
         # [s, b, h, d] -> [b, h, s, d]; SDPA repeats the grouped KV heads internally (no copy).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        sq, sk = q.size(2), k.size(2)
-        mask, causal = None, True
-        if sk != sq:  # queries are the last sq positions: their causal mask is aligned bottom-right
-            causal = False
-            # causal_lower_right reaches flash attention on CUDA (which supports GQA); elsewhere it would warn
-            # about every fused kernel it cannot use and materialize the mask anyway.
-            mask = causal_lower_right(sq, sk) if q.is_cuda else \
-                torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.size(1) != k.size(1))
+        dropout = self.dropout if self.training else 0.0
+        if k.size(2) != q.size(2):  # the queries are the last positions: the causal diagonal is bottom-right
+            return prefix_causal_attention(q, k, v, self.softmax_scale, dropout)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, dropout_p=dropout,
+                                              enable_gqa=q.size(1) != k.size(1))
 
     def _context_parallel_forward(self, query, key, value):
         cp, rank = self.cp_group.size(), self.cp_group.rank()
