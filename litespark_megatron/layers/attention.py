@@ -61,8 +61,8 @@ class LitesparkCoreAttention(MegatronModule):
         return self._attend(query, key, value).permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _attend(self, query, key, value):
-        """Causal attention of [sq, b, h, d] queries to the last sq of [sk, b, hk, d] keys/values (sk >= sq): the
-        causal diagonal is aligned to the end of the keys. Returns [b, h, sq, d]."""
+        """Causal attention of [sq, b, h, d] queries that are the last sq positions of [sk, b, hk, d] keys/values
+        (sk >= sq): the causal diagonal is aligned to the end of the keys. Returns [b, h, sq, d]."""
         # [s, b, h, d] -> [b, h, s, d]; SDPA repeats the grouped KV heads internally (no copy).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout = self.dropout if self.training else 0.0
@@ -77,11 +77,11 @@ class LitesparkCoreAttention(MegatronModule):
         c = s // 2  # this rank holds global chunks `rank` and `2*cp-1-rank`, c positions each
         # One all-gather for keys and values (autograd: reduce-scatter of their gradients in the backward).
         kv = gather_from_sequence_parallel_region(torch.cat([key, value], dim=-1), group=self.cp_group)
-        # Gathered in rank order (rank r's chunks r, 2cp-1-r); put the chunks in sequence order.
-        order = [0] * (2 * cp)
-        for r in range(cp):
-            order[r], order[2 * cp - 1 - r] = 2 * r, 2 * r + 1
-        kv = kv.view(2 * cp, c, *kv.shape[1:])[torch.tensor(order, device=kv.device)].flatten(0, 1)
+        # Gathered in rank order (rank r's chunks r, 2cp-1-r); put the chunks in sequence order: the first halves
+        # of the ranks in rank order, then their second halves in reverse. (Slicing, not an index tensor: building
+        # one on the GPU copies from the host and synchronizes the stream in every layer.)
+        kv = kv.view(cp, 2, c, *kv.shape[1:])
+        kv = torch.cat([kv[:, 0], kv[:, 1].flip(0)]).flatten(0, 1)
         key, value = kv.split([key.size(-1), value.size(-1)], dim=-1)
         outs = [self._attend(q_chunk, key[: (chunk + 1) * c], value[: (chunk + 1) * c])
                 for q_chunk, chunk in ((query[:c], rank), (query[c:], 2 * cp - 1 - rank))]
