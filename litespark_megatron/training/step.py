@@ -54,9 +54,9 @@ def _slice_for_context_parallel(*tensors):
     rank = parallel_state.get_context_parallel_rank()
     out = []
     for t in tensors:
+        # Slices, not an index tensor: building one on the GPU copies from the host and synchronizes the stream.
         chunks = t.view(t.size(0), 2 * cp, t.size(1) // (2 * cp), *t.shape[2:])
-        index = torch.tensor([rank, 2 * cp - rank - 1], device=t.device)
-        out.append(chunks.index_select(1, index).reshape(t.size(0), -1, *t.shape[2:]))
+        out.append(torch.cat([chunks[:, rank], chunks[:, 2 * cp - rank - 1]], dim=1))
     return out
 
 
