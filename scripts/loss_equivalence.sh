@@ -34,12 +34,10 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PROG="loss_equivalence.sh"
-die() {
-  printf '%s: error: %s\n' "$PROG" "$*" >&2
-  exit 2
-}
+# shellcheck source=scripts/_lib.sh
+. "$ROOT/scripts/_lib.sh"  # die, usage, check_int
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,/^set -euo pipefail$/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+  usage
   exit 0
 fi
 
@@ -57,9 +55,8 @@ PY="${PYTHON:-python3}"
 if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
 
 [[ $STEPS =~ ^[0-9]+$ ]] && WARMUP="${WARMUP:-$((10#$STEPS / 10))}"
-for v in STEPS NPROC SMOOTH START_STEP WARMUP CONCURRENT; do
-  [[ ${!v} =~ ^[0-9]+$ ]] && [ "$((10#${!v}))" -ge 1 -o "$v" = START_STEP -o "$v" = WARMUP ] || die "$v='${!v}' must be a positive integer"
-done
+for v in STEPS NPROC SMOOTH CONCURRENT; do check_int "$v" "${!v}" 1; done
+for v in START_STEP WARMUP; do check_int "$v" "${!v}" 0; done
 [ "$START_STEP" -lt "$STEPS" ] || die "START_STEP=$START_STEP must be below STEPS=$STEPS"
 [ "$WARMUP" -lt "$STEPS" ] || die "WARMUP=$WARMUP must be below STEPS=$STEPS"
 

@@ -24,22 +24,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PROG="pretrain.sh"
-
-die() {
-  printf '%s: error: %s\n' "$PROG" "$*" >&2
-  exit 2
-}
-
-usage() {
-  sed -n '2,/^set -euo pipefail$/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
-}
-
-# $1 name, $2 value, $3 smallest allowed value
-check_int() {
-  if ! [[ $2 =~ ^[0-9]+$ ]] || [ "$((10#$2))" -lt "$3" ]; then
-    die "$1='$2' must be an integer >= $3"
-  fi
-}
+# shellcheck source=scripts/_lib.sh
+. "$ROOT/scripts/_lib.sh"  # die, usage, check_int
 
 # ------------------------------------------------------------------------------------------------ the interpreter
 if [ -z "${PYTHON:-}" ]; then

@@ -158,6 +158,24 @@ def test_bad_knobs_fail_before_anything(tmp_path, knobs, message):
     assert not (tmp_path / "run").exists(), "a refused launch writes nothing"
 
 
+@pytest.mark.parametrize("script, first, last, after", [
+    ("pretrain.sh", "Launch litespark-train with torchrun on this node", "NNODES=8 NODE_RANK=$i MASTER_ADDR=node0",
+     "usage: litespark-train"),  # then the trainer's own flags
+    ("loss_equivalence.sh", "Train the same model with stock Megatron-Core and with Litespark",
+     "Exit status: 0 all within tolerance", None),
+])
+def test_help_is_the_scripts_header(script, first, last, after):
+    """--help prints the script's own header comment (scripts/_lib.sh reads the file that sources it), exit 0."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
+                          timeout=120, env=launch_env())
+    assert proc.returncode == 0, proc.stderr
+    header, found, _ = proc.stdout.partition(f"\n\n{after}") if after else (proc.stdout, True, "")
+    assert found, proc.stdout[-500:]
+    lines = header.splitlines()
+    assert lines[0].startswith(first) and lines[-1].strip().startswith(last), (lines[0], lines[-1])
+    assert not any(line.startswith("#") or "set -euo" in line for line in lines)
+
+
 def test_layout_that_does_not_fit_the_processes_is_refused_before_training(tmp_path):
     proc = launch(*TINY, "--tensor-model-parallel-size", "2", GPUS_PER_NODE=3, RUN_DIR=tmp_path)
     assert proc.returncode == 2

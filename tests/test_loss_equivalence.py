@@ -45,10 +45,11 @@ def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     (dict(RUNS="only:--spec stock-local"), "RUNS needs at least two runs (a reference first), got 1"),
     (dict(RUNS="a:--spec stock-local;a:--spec litespark"), "RUNS names 'a' twice"),
     (dict(RUNS="a --spec stock-local;b:"), "RUNS entry 'a --spec stock-local' is not name:flags"),
-    (dict(STEPS="ten"), "STEPS='ten' must be a positive integer"),
+    (dict(STEPS="ten"), "STEPS='ten' must be an integer >= 1"),
+    (dict(WARMUP="-3"), "WARMUP='-3' must be an integer >= 0"),
     (dict(STEPS="10", START_STEP="10"), "START_STEP=10 must be below STEPS=10"),
     (dict(STEPS="10", START_STEP="2", WARMUP="10"), "WARMUP=10 must be below STEPS=10"),
-    (dict(CONCURRENT="0"), "CONCURRENT='0' must be a positive integer"),
+    (dict(CONCURRENT="0"), "CONCURRENT='0' must be an integer >= 1"),
 ])
 def test_bad_knobs_fail_before_training(tmp_path, knobs, message):
     proc = equivalence(tmp_path, *DATA, **knobs)
