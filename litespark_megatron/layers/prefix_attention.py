@@ -70,6 +70,9 @@ class _CudnnPrefixCausal(torch.autograd.Function):
         p = k.size(2) - q.size(2)
         out_pre, lse_pre, aux_pre = _cudnn_forward(q, k[:, :, :p], v[:, :, :p], False, scale)
         out_diag, lse_diag, aux_diag = _cudnn_forward(q, k[:, :, p:], v[:, :, p:], True, scale)
+        if lse_pre.shape != (*q.shape[:3], 1):  # the private op's contract as of torch 2.11; it broadcasts below
+            raise RuntimeError(f"cuDNN attention returned a log-sum-exp of shape {tuple(lse_pre.shape)}, expected "
+                               f"{(*q.shape[:3], 1)}: this torch changed the op; prefix_attention.py needs updating")
         lse = torch.logaddexp(lse_pre, lse_diag)  # [b, h, sq, 1] fp32, cuDNN's own layout
         merged = out_pre.float() * (lse_pre - lse).exp() + out_diag.float() * (lse_diag - lse).exp()
         out = torch.empty_like(out_pre).copy_(merged)  # cuDNN's output layout, which its backward expects
