@@ -67,6 +67,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
     from .layers import LitesparkCoreAttention, LitesparkMLP, LitesparkRMSNorm, LitesparkSelfAttention
 
+    core_attention = LitesparkCoreAttention  # both backends, context parallelism included
     if backend == "te":
         from megatron.core.extensions.transformer_engine import (
             TEColumnParallelLinear, TELayerNormColumnParallelLinear, TELinear, TENorm, TERowParallelLinear)
@@ -75,7 +76,6 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         norm = TENorm
         fused_norm = IdentityOp  # the norm lives inside the next TELayerNormColumnParallelLinear
         qkv = fc1 = TELayerNormColumnParallelLinear
-        core_attention = LitesparkCoreAttention
         proj = fc2 = TERowParallelLinear
         # MLA: the down projections are replicated (TE 'duplicated'); the up projections carry the latent norms.
         mla_linears = dict(linear_q_proj=TEColumnParallelLinear, linear_q_down_proj=TELinear,
@@ -91,7 +91,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
         norm = fused_norm = LitesparkRMSNorm
         qkv = fc1 = ColumnParallelLinear
-        core_attention, proj, fc2 = LitesparkCoreAttention, RowParallelLinear, RowParallelLinear
+        proj = fc2 = RowParallelLinear
         # The down projections are replicated across TP, as on te (megatron-core's plain-torch `Linear`, which
         # MLASelfAttention accepts there). Its stock local spec makes them column-parallel and gathers their output,
         # but then the gradient of the shared RoPE key (k_pos_emb), which every rank uses for its own heads, is

@@ -78,10 +78,10 @@ class LitesparkCoreAttention(MegatronModule):
         # One all-gather for keys and values (autograd: reduce-scatter of their gradients in the backward).
         kv = gather_from_sequence_parallel_region(torch.cat([key, value], dim=-1), group=self.cp_group)
         # Gathered in rank order (rank r's chunks r, 2cp-1-r); put the chunks in sequence order: the first halves
-        # of the ranks in rank order, then their second halves in reverse. (Slicing, not an index tensor: building
-        # one on the GPU copies from the host and synchronizes the stream in every layer.)
-        kv = kv.view(cp, 2, c, *kv.shape[1:])
-        kv = torch.cat([kv[:, 0], kv[:, 1].flip(0)]).flatten(0, 1)
+        # of the ranks in rank order, then their second halves in reverse. One copy, from views (an index tensor
+        # built on the GPU would copy from the host and synchronize the stream in every layer).
+        per_rank = kv.view(cp, 2, c, *kv.shape[1:])
+        kv = torch.cat([*per_rank[:, 0], *reversed(per_rank[:, 1].unbind(0))])
         key, value = kv.split([key.size(-1), value.size(-1)], dim=-1)
         outs = [self._attend(q_chunk, key[: (chunk + 1) * c], value[: (chunk + 1) * c])
                 for q_chunk, chunk in ((query[:c], rank), (query[c:], 2 * cp - 1 - rank))]
