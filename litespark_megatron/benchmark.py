@@ -26,6 +26,9 @@ Systems (`--systems`, comma list):
   -> platform.init_distributed -> optim.build_training, the trainer's own build ->
   step.train_step), one process, megatron micro-batching.
 
+`--variant NAME=SYSTEM:FLAGS` adds a system that is SYSTEM plus some litespark-train flags (a recipe, a fusion,
+a recompute setting), so that one change is measured side by side with what it changes, in the same run.
+
 A system that cannot run (no Transformer Engine, no FP8, out of memory, an import error, a timeout) is reported
 as failed with a one-line reason; the others still run. Without CUDA everything runs in fp32 on the CPU (no bf16
 tensor cores to measure) and the GPU-only columns read "n/a", so the tool can be checked end to end anywhere.
@@ -38,6 +41,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -45,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -95,6 +99,7 @@ MEGATRON_NOTE = ("megatron systems (GPU): bf16 parameters and compute with fp32 
                  "mixed-precision optimizer); every system clips gradients at 1.0")
 SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "vocab_size")
+CONTROLLED = SHAPE_FLAGS + ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "seed")
 
 
 # ============================================================================================ the parent (CLI)
@@ -114,6 +119,10 @@ def build_parser():
     p.add_argument("--best-micro-batch", action="store_true",
                    help=f"try micro-batches {', '.join(map(str, MICRO_BATCH_CANDIDATES))} (those dividing the global "
                         "batch) for each system at the same tokens per step and keep the fastest that fits")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=SYSTEM:FLAGS",
+                   help="one more system, run after --systems: SYSTEM (a megatron one) with extra litespark-train "
+                        "FLAGS, to measure one change side by side with SYSTEM in the same run, e.g. --variant "
+                        "\"litespark-fp8-tensorwise=litespark-fp8:--fp8-recipe tensorwise\"; repeatable")
     p.add_argument("--megatron-flags", default="",
                    help="extra litespark-train flags for every megatron system (Litespark and stock), quoted as one "
                         "string after an equals sign, e.g. --megatron-flags=\"--cross-entropy-loss-fusion\"")
@@ -134,7 +143,9 @@ def build_parser():
     return p
 
 
-def parse_systems(text: str) -> List[str]:
+def parse_systems(text: str, variants: Sequence[str] = (), flags: Sequence[str] = ()) -> Dict[str, System]:
+    """The systems of this run, in order: those named in --systems, then each --variant (its flags checked against
+    litespark-train's parser on top of `flags`, the common ones)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise UserError("--systems is empty; name at least one of: " + ", ".join(SYSTEMS))
@@ -146,7 +157,35 @@ def parse_systems(text: str) -> List[str]:
         if n in seen:
             raise UserError(f"system '{n}' is listed twice in --systems")
         seen.add(n)
-    return names
+    systems = {n: SYSTEMS[n] for n in names}
+    for text in variants:
+        name, system = parse_variant(text, flags)
+        if name in systems:
+            raise UserError(f"--variant {text}: the name '{name}' is already taken; give the variant its own name")
+        systems[name] = system
+    return systems
+
+
+def parse_variant(text: str, flags: Sequence[str] = ()) -> Tuple[str, System]:
+    """NAME=SYSTEM:FLAGS -> (NAME, SYSTEM's definition with FLAGS appended: later flags win in litespark-train)."""
+    name, eq, rest = text.partition("=")
+    base, colon, extra = rest.partition(":")
+    name, base = name.strip(), base.strip()
+    if not (eq and colon and name and base and extra.strip()):
+        raise UserError(f"--variant {text}: expected NAME=SYSTEM:FLAGS, e.g. "
+                        "\"litespark-fp8-tensorwise=litespark-fp8:--fp8-recipe tensorwise\"")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", name):
+        raise UserError(f"--variant {text}: the name '{name}' may hold only lower-case letters, digits, '.' and '-' "
+                        "(it names the log files)")
+    if base not in SYSTEMS:
+        raise UserError(f"--variant {text}: unknown system '{base}'; choose from: {', '.join(SYSTEMS)}")
+    if SYSTEMS[base].kind != "megatron":
+        raise UserError(f"--variant {text}: '{base}' is an HF system, which takes no litespark-train flags; vary a "
+                        "megatron system")
+    system = SYSTEMS[base]
+    check_megatron_flags(list(flags) + list(system.flags), extra, what=f"--variant {name}")
+    return name, replace(system, flags=system.flags + tuple(shlex.split(extra)),
+                         description=f"{system.description}, plus `{extra.strip()}`")
 
 
 def base_flags(opts) -> List[str]:
@@ -190,12 +229,13 @@ def check_shape(flags: List[str]):
     return args
 
 
-def check_megatron_flags(flags: List[str], extra: str) -> None:
-    """--megatron-flags must be litespark-train flags that parse (the workers would otherwise all fail alike)."""
+def check_megatron_flags(flags: List[str], extra: str, what: str = "--megatron-flags") -> None:
+    """Extra flags (`what` names the option they came from) must be litespark-train flags that parse (the workers
+    would otherwise all fail alike)."""
     try:
         words = shlex.split(extra)
     except ValueError as e:
-        raise UserError(f"--megatron-flags: {e}") from None
+        raise UserError(f"{what}: {e}") from None
     if not words:
         return
     import io
@@ -207,14 +247,20 @@ def check_megatron_flags(flags: List[str], extra: str) -> None:
         with contextlib.redirect_stderr(err):
             _, unknown = train_parser().parse_known_args(flags + words)
     except SystemExit:  # argparse: a bad value; its last line says which
-        raise UserError(f"--megatron-flags: {_one_line(err.getvalue().strip().splitlines()[-1])}") from None
+        raise UserError(f"{what}: {_one_line(err.getvalue().strip().splitlines()[-1])}") from None
     if unknown:
-        raise UserError(f"--megatron-flags: not litespark-train flags: {' '.join(unknown)} "
+        raise UserError(f"{what}: not litespark-train flags: {' '.join(unknown)} "
                         "(litespark-train --help lists them)")
     try:
-        resolve_config(flags + words)
+        before, after = resolve_config(flags), resolve_config(flags + words)
     except ConfigError as e:  # presets, spec and backend names
-        raise UserError(f"--megatron-flags: {e}") from None
+        raise UserError(f"{what}: {e}") from None
+    # The tool sets these for every system alike and counts FLOPs from them: a system that changed one would be
+    # measured on another model or batch than the table says.
+    changed = [k for k in CONTROLLED if getattr(before, k) != getattr(after, k)]
+    if changed:
+        raise UserError(f"{what}: changes {', '.join('--' + k.replace('_', '-') for k in changed)}, which the "
+                        "benchmark sets for every system alike; use the benchmark's own options for them")
 
 
 def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
@@ -225,10 +271,10 @@ def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
     return {c: training_flops_per_step(shape, global_batch_size, causal=c).model_flops for c in ("full", "half")}
 
 
-def system_vocab(args, name: str) -> int:
+def system_vocab(args, system: System) -> int:
     """Rows of the output layer: megatron pads the vocabulary to --make-vocab-size-divisible-by (128); HF keeps the
     preset's (the llama presets are already multiples of 128, so both are the same there)."""
-    if SYSTEMS[name].kind == "hf":
+    if system.kind == "hf":
         return args.vocab_size
     return padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
 
@@ -299,12 +345,13 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def run_worker(name: str, flags: List[str], mbs: int, gbs: int, opts, log_dir: Path) -> dict:
+def run_worker(name: str, system: System, flags: List[str], mbs: int, gbs: int, opts, log_dir: Path) -> dict:
     """One system at one micro-batch size in a fresh process; its result dict (status ok/failed/oom/timeout)."""
     stem = f"{name}-mb{mbs}"
     result_path, log_path = log_dir / f"{stem}.json", log_dir / f"{stem}.log"
-    extra = shlex.split(opts.megatron_flags) if SYSTEMS[name].kind == "megatron" else []
-    spec = dict(system=name, flags=flags + extra + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
+    extra = shlex.split(opts.megatron_flags) if system.kind == "megatron" else []
+    spec = dict(system=name, definition=asdict(system),
+                flags=flags + extra + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
                 warmup=opts.warmup, steps=opts.steps, profile_steps=opts.profile_steps)
     cmd = [sys.executable, "-m", "litespark_megatron.benchmark", "--worker", json.dumps(spec), str(result_path)]
     result_path.unlink(missing_ok=True)
@@ -362,11 +409,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or one-line error (2)
         return e.code if isinstance(e.code, int) else 2
     try:
-        systems = parse_systems(opts.systems)
         gbs, candidates = micro_batch_plan(opts)
         flags = base_flags(opts)
         args = check_shape(flags)
         check_megatron_flags(flags, opts.megatron_flags)
+        systems = parse_systems(opts.systems, opts.variant, flags)
         out = Path(opts.out) if opts.out else None
         if out is not None:
             if out.exists() and not out.is_dir():
@@ -395,15 +442,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if all(r["status"] == "ok" for r in report["systems"]) else 1
 
 
-def run_all(systems, flags, gbs, candidates, opts, args, log_dir: Path, command: str,
+def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_dir: Path, command: str,
             on_progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Run every system (each micro-batch candidate in turn) and return the report; `on_progress` gets the report
     so far after each system, so that a run cut short still leaves the finished systems on disk."""
     rows = []
-    for i, name in enumerate(systems, 1):
+    for i, (name, system) in enumerate(systems.items(), 1):
         tries = []
         for mbs in candidates:
-            r = run_worker(name, flags, mbs, gbs, opts, log_dir)
+            r = run_worker(name, system, flags, mbs, gbs, opts, log_dir)
             tries.append(r)
             what = f"[{i}/{len(systems)}] {name} micro-batch {mbs} x {gbs // mbs}"
             if r["status"] == "ok":
@@ -420,20 +467,22 @@ def run_all(systems, flags, gbs, candidates, opts, args, log_dir: Path, command:
     return build_report(rows, systems, gbs, candidates, opts, args, command)
 
 
-def build_report(rows: List[dict], systems: List[str], gbs: int, candidates: List[int], opts, args,
+def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candidates: List[int], opts, args,
                  command: str) -> dict:
     """The report (benchmark.json) from the workers' results: rates, MFU and ratios derived here."""
     device = next((t["device"] for row in rows for t in row["tries"] if t.get("device")), None)
     on_gpu = bool(device and device.get("type") == "cuda")
     peak, peak_note = _peak(device, opts.peak_tflops, on_gpu)
     peak_tflops = peak["tflops"] if peak else None
-    flops = {name: flops_per_step(args, gbs, system_vocab(args, name)) for name in systems}
+    flops = {name: flops_per_step(args, gbs, system_vocab(args, system)) for name, system in systems.items()}
     results = {}
     for row in rows:
         name, c = row["system"], row["chosen"]
-        entry = dict(system=name, description=SYSTEMS[name].description, status=c["status"],
-                     reason=c.get("reason"), micro_batch_size=c["micro_batch_size"], global_batch_size=gbs,
-                     accumulation_steps=gbs // c["micro_batch_size"], vocab_rows=system_vocab(args, name),
+        system = systems[name]
+        entry = dict(system=name, kind=system.kind, description=system.description, flags=list(system.flags),
+                     status=c["status"], reason=c.get("reason"), micro_batch_size=c["micro_batch_size"],
+                     global_batch_size=gbs, accumulation_steps=gbs // c["micro_batch_size"],
+                     vocab_rows=system_vocab(args, system),
                      tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]])
         if c["status"] == "ok":
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
@@ -550,7 +599,7 @@ def render_markdown(report: dict) -> str:
     lines += ["", "Systems:", ""]
     for r in report["systems"]:
         lines.append(f"- `{r['system']}`: {r['description']}")
-    if any(r["status"] == "ok" and SYSTEMS[r["system"]].kind == "megatron" for r in report["systems"]) \
+    if any(r["status"] == "ok" and r["kind"] == "megatron" for r in report["systems"]) \
             and dev and dev.get("type") == "cuda":
         lines.append(f"- {MEGATRON_NOTE}")
     notes = []
@@ -871,7 +920,7 @@ def classify_failure(e: BaseException) -> Tuple[str, str]:
 def worker_main(spec_json: str, result_path: str) -> None:
     spec = json.loads(spec_json)
     name = spec["system"]
-    system = SYSTEMS[name]
+    system = System(**{**spec["definition"], "flags": tuple(spec["definition"]["flags"])})
     result = dict(system=name, status="failed", reason=None)
     try:
         result["device"] = _runtime_device()

@@ -46,7 +46,9 @@ def check_ok_row(row, seq: int, gbs: int):
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
     rc = load_tool("benchmark").main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out),
-                                             "--profile-steps", "1", "--megatron-flags=--no-gradient-accumulation-fusion"])
+                                             "--profile-steps", "1", "--megatron-flags=--no-gradient-accumulation-fusion",
+                                             "--variant", "local-recompute=litespark-local-bf16:--recompute-granularity "
+                                                          "full --recompute-method uniform --recompute-num-layers 1"])
     printed = capsys.readouterr().out
     assert rc == 1  # one system failed; the run itself completed
     report = json.loads((out / "benchmark.json").read_text())
@@ -55,6 +57,17 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     failed = rows["stock-te-bf16"]
     assert failed["status"] == "failed" and "needs Transformer Engine" in failed["reason"]
     assert "\n" not in failed["reason"]
+    # The variant ran after --systems as its own system, with its flags; full recompute changes no number.
+    assert [r["system"] for r in report["systems"]] == ["litespark-local-bf16", "stock-te-bf16", "local-recompute"]
+    variant = rows["local-recompute"]
+    check_ok_row(variant, 64, 2)
+    assert variant["flags"][-6:] == ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1"]
+    assert variant["description"].endswith("plus `--recompute-granularity full --recompute-method uniform "
+                                           "--recompute-num-layers 1`")
+    assert (variant["loss_first"], variant["loss_last"]) == (rows["litespark-local-bf16"]["loss_first"],
+                                                             rows["litespark-local-bf16"]["loss_last"])
+    assert "--recompute-granularity" in (out / "logs" / "local-recompute-mb2.log").read_text().splitlines()[0]
     # No baseline in this run: the ratios say n/a rather than inventing one.
     assert rows["litespark-local-bf16"]["vs_hf_eager"] == {"tokens_per_sec": None, "joules_per_token": None}
     assert report["device"]["type"] == "cpu" and report["peak"] is None and "CPU" in report["peak_note"]
@@ -74,6 +87,8 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     # ran; the workers' result files are merged into benchmark.json and removed.
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["litespark-local-bf16-mb2.log",
                                                                  "litespark-local-bf16-mb2.profile.md",
+                                                                 "local-recompute-mb2.log",
+                                                                 "local-recompute-mb2.profile.md",
                                                                  "stock-te-bf16-mb2.log"]
     assert "needs Transformer Engine" in (out / "logs" / "stock-te-bf16-mb2.log").read_text()
     for log in ("litespark-local-bf16-mb2.log", "stock-te-bf16-mb2.log"):
@@ -136,7 +151,7 @@ def test_best_micro_batch_keeps_the_fastest_that_fits_and_stops_at_oom(monkeypat
     speeds = {1: 1.0, 2: 0.8}  # seconds for 2 steps of 512 tokens: micro-batch 2 is fastest; 4 runs out of memory
     calls = []
 
-    def fake_worker(name, flags, mbs, gbs, opts, log_dir):
+    def fake_worker(name, system, flags, mbs, gbs, opts, log_dir):
         calls.append(mbs)
         if mbs in speeds:
             return dict(system=name, micro_batch_size=mbs, status="ok", steps=2, seconds=speeds[mbs],
@@ -152,8 +167,8 @@ def test_best_micro_batch_keeps_the_fastest_that_fits_and_stops_at_oom(monkeypat
     assert (gbs, candidates) == (8, [1, 2, 4, 8])
     flags = benchmark.base_flags(opts)
     progress = []
-    report = benchmark.run_all(["litespark-local-bf16", "hf-eager"], flags, gbs, candidates, opts,
-                               benchmark.check_shape(flags), tmp_path, "cmd", on_progress=progress.append)
+    report = benchmark.run_all(benchmark.parse_systems("litespark-local-bf16,hf-eager"), flags, gbs, candidates,
+                               opts, benchmark.check_shape(flags), tmp_path, "cmd", on_progress=progress.append)
     assert calls == [1, 2, 4, 1, 2, 4]  # 8 is not tried once 4 ran out of memory
     row = report["systems"][0]
     assert row["status"] == "ok" and row["micro_batch_size"] == 2 and row["accumulation_steps"] == 4
@@ -193,9 +208,12 @@ def test_hf_config_has_the_preset_shape():
     assert (kw["num_hidden_layers"], kw["hidden_size"], kw["intermediate_size"], kw["num_attention_heads"],
             kw["num_key_value_heads"], kw["vocab_size"], kw["head_dim"]) == (28, 3072, 8192, 24, 8, 128256, 128)
     assert kw["tie_word_embeddings"] is False and kw["use_cache"] is False and kw["rms_norm_eps"] == 1e-5
-    assert benchmark.system_vocab(args, "hf-eager") == benchmark.system_vocab(args, "litespark-bf16") == 128256
+    def vocab(a, name):
+        return benchmark.system_vocab(a, benchmark.SYSTEMS[name])
+
+    assert vocab(args, "hf-eager") == vocab(args, "litespark-bf16") == 128256
     odd = resolve(["--model", "tiny", "--vocab-size", "1000"])
-    assert (benchmark.system_vocab(odd, "hf-eager"), benchmark.system_vocab(odd, "stock-te-fp8")) == (1000, 1024)
+    assert (vocab(odd, "hf-eager"), vocab(odd, "stock-te-fp8")) == (1000, 1024)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -214,6 +232,19 @@ def test_hf_config_has_the_preset_shape():
     (["--megatron-flags=--cross-entropy-fusion-impl foo"], "argument --cross-entropy-fusion-impl: invalid choice"),
     (["--megatron-flags=--lr '1"], "--megatron-flags: No closing quotation"),
     (["--megatron-flags=--spec nope"], "--megatron-flags: unknown --spec 'nope'"),
+    (["--megatron-flags=--seq-length 128"], "--megatron-flags: changes --seq-length, which the benchmark sets for "
+                                            "every system alike"),
+    (["--variant", "tensorwise"], "--variant tensorwise: expected NAME=SYSTEM:FLAGS"),
+    (["--variant", "v=litespark-fp8"], "--variant v=litespark-fp8: expected NAME=SYSTEM:FLAGS"),
+    (["--variant", "My Run=litespark-fp8:--fp8-recipe tensorwise"], "the name 'My Run' may hold only lower-case"),
+    (["--variant", "v=nope:--fp8-recipe tensorwise"], "unknown system 'nope'; choose from: hf-eager"),
+    (["--variant", "v=hf-eager:--bf16"], "'hf-eager' is an HF system, which takes no litespark-train flags"),
+    (["--systems", "litespark-fp8", "--variant", "litespark-fp8=litespark-fp8:--fp8-recipe tensorwise"],
+     "the name 'litespark-fp8' is already taken"),
+    (["--variant", "v=litespark-fp8:--fp8-recipe nope"], "--variant v: litespark-train: error: argument --fp8-recipe: invalid choice"),
+    (["--variant", "v=litespark-fp8:--bogus"], "--variant v: not litespark-train flags: --bogus"),
+    (["--variant", "v=litespark-bf16:--num-layers 3 --micro-batch-size 1"],
+     "--variant v: changes --num-layers, --micro-batch-size, which the benchmark sets"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert benchmark.main(argv) == 2
@@ -226,8 +257,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 def test_parser_defaults_match_the_documented_run():
     opts = benchmark.build_parser().parse_args([])
     assert (opts.model, opts.seq_length, opts.warmup, opts.steps, opts.timeout) == ("llama-3b", 4096, 3, 10, 600)
-    assert benchmark.parse_systems(opts.systems) == ["hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16",
-                                                     "stock-te-fp8"]
+    assert list(benchmark.parse_systems(opts.systems)) == ["hf-eager", "litespark-bf16", "litespark-fp8",
+                                                           "stock-te-bf16", "stock-te-fp8"]
     assert benchmark.micro_batch_plan(opts) == (2, [2])
     assert benchmark.micro_batch_plan(SimpleNamespace(best_micro_batch=True, micro_batch_size=None,
                                                       global_batch_size=12)) == (12, [1, 2, 4])
@@ -240,7 +271,7 @@ H200 = {"type": "cuda", "name": "NVIDIA H200", "count": 1, "capability": "9.0", 
 def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     # The GPU columns cannot run here: feed build_report what a CUDA worker returns (measure() on CUDA), with
     # made-up numbers, and check the derived columns and the table against hand arithmetic.
-    def fake_worker(name, flags, mbs, gbs, opts, log_dir):
+    def fake_worker(name, system, flags, mbs, gbs, opts, log_dir):
         if name == "stock-te-fp8":
             return dict(system=name, micro_batch_size=mbs, status="oom", reason="out of memory: CUDA out of memory",
                         wall_s=5.0, device=H200, peak_mem_gib=139.1)
@@ -255,8 +286,8 @@ def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     opts = benchmark.build_parser().parse_args([])
     gbs, candidates = benchmark.micro_batch_plan(opts)
     flags = benchmark.base_flags(opts)
-    report = benchmark.run_all(["hf-eager", "litespark-bf16", "stock-te-fp8"], flags, gbs, candidates, opts,
-                               benchmark.check_shape(flags), tmp_path, "python tools/benchmark.py")
+    report = benchmark.run_all(benchmark.parse_systems("hf-eager,litespark-bf16,stock-te-fp8"), flags, gbs,
+                               candidates, opts, benchmark.check_shape(flags), tmp_path, "python tools/benchmark.py")
     assert report["peak"]["tflops"] == 989.4 and report["peak"]["mfu_basis"] == "bf16-dense"
     rows = {r["system"]: r for r in report["systems"]}
     ls = rows["litespark-bf16"]
