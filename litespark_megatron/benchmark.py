@@ -91,7 +91,8 @@ SYSTEMS: Dict[str, System] = {
                            "Megatron-Core's own Transformer Engine layer spec, FP8 hybrid with delayed scaling",
                            needs_te=True),
     "litespark-local-bf16": System("megatron", ("--spec", "litespark", "--transformer-impl", "local"),
-                                   "Litespark layers, local backend (megatron-core linears, torch SDPA; no TE)"),
+                                   "Litespark layers, local backend (megatron-core linears, torch SDPA, compiled "
+                                   "RMSNorm; no TE modules, TE's SwiGLU and RoPE kernels where TE is installed)"),
 }
 DEFAULT_SYSTEMS = ("hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16", "stock-te-fp8")
 MEGATRON_NOTE = ("megatron systems (GPU): bf16 parameters and compute with fp32 main parameters, fp32 gradient "

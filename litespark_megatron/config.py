@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    help="TE linears accumulate weight gradients into the fp32 main_grad buffers inside their wgrad "
                         "GEMM (on by default on GPU with TE; megatron's own linears need Apex for it)")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
+                   help="RoPE in megatron-core's plain torch ops instead of TE's fused kernel (on by default where "
+                        "TE is installed; on GPUs without TE the Litespark layer runs a torch.compile'd RoPE)")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="fused vocab-parallel cross-entropy (one kernel instead of several passes over the logits)")
     g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",

@@ -20,7 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from . import specs
-from .platform import current_device, te_wgrad_fusion_without_apex, unfuse_megatron_linears
+from .platform import current_device, te_importable, te_wgrad_fusion_without_apex, unfuse_megatron_linears
 from .config import padded_vocab_size, virtual_pipeline_size
 
 
@@ -78,9 +78,11 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         overlap_p2p_comm=vp is not None,
         # Loss is summed over tokens and divided by the global token count: every layout reduces the same way.
         calculate_per_token_loss=True,
-        # Fusions that need TE/Apex/CUDA only where they exist; the Litespark modules bring their own.
-        # MLA's fused RoPE kernel implements YaRN only; its plain RoPE runs unfused.
-        apply_rope_fusion=te and not args.multi_latent_attention,
+        # Fusions that need TE/Apex/CUDA only where they exist; the Litespark modules bring their own (RoPE: TE's
+        # kernel wherever TE is installed, the local backend too; a compiled one on GPUs without TE:
+        # layers/kernels.py). MLA's fused RoPE kernel implements YaRN only; its plain RoPE runs unfused.
+        apply_rope_fusion=args.rope_fusion and not args.multi_latent_attention and (
+            te or (args.spec == "litespark" and device_type == "cuda" and te_importable())),
         bias_activation_fusion=False,
         masked_softmax_fusion=te,
         bias_dropout_fusion=device_type == "cuda",

@@ -95,6 +95,8 @@ def test_kernel_fusion_flags():
 
     args = resolve(["--model", "tiny"])
     assert args.gradient_accumulation_fusion is True and args.cross_entropy_loss_fusion is False
+    assert args.rope_fusion is True and resolve(["--model", "tiny", "--no-rope-fusion"]).rope_fusion is False
+    assert transformer_config(args, "local", "cpu").apply_rope_fusion is False  # TE's kernel needs TE and a GPU
     assert args.cross_entropy_fusion_impl == "native"
     args = resolve(["--model", "tiny", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion"])
     assert args.gradient_accumulation_fusion is False

@@ -17,6 +17,31 @@ def test_rms_norm_reference_matches_torch():
     torch.testing.assert_close(kernels.rms_norm_reference(x, w, 1e-5), F.rms_norm(x, (32,), w, 1e-5))
 
 
+def _rope_config(fusion=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(apply_rope_fusion=fusion, rotary_interleaved=False, multi_latent_attention=False,
+                           mrope_section=None)
+
+
+@pytest.mark.parametrize("rotated", [16, 8])  # all channels, and a partial rotary
+def test_rope_reference_is_megatron_cores_rope(rotated):
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    s, b, h, d = 10, 2, 3, 16
+    t = torch.randn(s, b, h, d, dtype=torch.float64)
+    inv = 1.0 / 10000 ** (torch.arange(0, rotated, 2, dtype=torch.float64) / rotated)
+    angles = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron-core's [s, 1, 1, r] layout
+    expected = apply_rotary_pos_emb(t, freqs, config=_rope_config(), cp_group=object())
+    torch.testing.assert_close(kernels.rope_reference(t, freqs), expected)
+    # RoPE at position 0 is the identity; at any position it keeps each rotated pair's norm.
+    torch.testing.assert_close(expected[0], t[0])
+    torch.testing.assert_close(expected[..., :rotated].norm(dim=-1), t[..., :rotated].norm(dim=-1))
+    assert kernels.rope_impl(t, _rope_config()) == "unfused"  # the CPU: megatron-core's own ops
+    assert kernels.rope_impl(t, _rope_config(fusion=True)) == "te"
+
+
 def _core_attention(d):
     from types import SimpleNamespace
 
@@ -115,3 +140,37 @@ def test_fused_kernels_match_reference_on_cuda(dtype):
     x = x.detach()
     w = torch.randn(256, device="cuda", dtype=dtype)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), kernels.rms_norm_reference(x, w, 1e-5), **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rope_matches_reference_on_a_gpu_without_te(dtype, monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
+    s, b, h, d = 256, 2, 4, 64
+    t = torch.randn(s, b, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    freqs = torch.rand(s, 1, 1, d, device="cuda") * 100
+    dy = torch.randn(s, b, h, d, device="cuda", dtype=dtype)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)  # as on a GPU without TE
+    assert kernels.rope_impl(t, _rope_config()) == "compiled"
+    y = kernels.rope(t, freqs, _rope_config())
+    (dt,) = torch.autograd.grad(y, t, dy)
+    y_ref = kernels.rope_reference(t, freqs)
+    (dt_ref,) = torch.autograd.grad(y_ref, t, dy)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(dt, dt_ref, **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TE's fused RoPE runs on CUDA only")
+def test_rope_fusion_follows_te_and_the_flag_on_both_backends():
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
+    from litespark_megatron.config import resolve
+    from litespark_megatron.model import transformer_config
+
+    for backend in ("te", "local"):
+        assert transformer_config(resolve(["--model", "tiny", "--bf16"]), backend, "cuda").apply_rope_fusion
+        assert not transformer_config(resolve(["--model", "tiny", "--bf16", "--no-rope-fusion"]), backend,
+                                      "cuda").apply_rope_fusion
+    stock_local = resolve(["--model", "tiny", "--bf16", "--spec", "stock-local"])
+    assert not transformer_config(stock_local, "local", "cuda").apply_rope_fusion  # stock stays stock

@@ -23,12 +23,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from .kernels import rope
 from .prefix_attention import prefix_causal_attention
 
 
@@ -108,10 +108,8 @@ class LitesparkSelfAttention(SelfAttention):
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             cu_seqlens = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
             cp_group = self.pg_collection.cp
-            query = apply_rotary_pos_emb(query, q_freqs, config=self.config, cu_seqlens=cu_seqlens,
-                                         cp_group=cp_group)
-            key = apply_rotary_pos_emb(key, k_freqs, config=self.config, cu_seqlens=cu_seqlens,
-                                       cp_group=cp_group)
+            query = rope(query, q_freqs, self.config, cu_seqlens=cu_seqlens, cp_group=cp_group)
+            key = rope(key, k_freqs, self.config, cu_seqlens=cu_seqlens, cp_group=cp_group)
         if self.checkpoint_core_attention and self.training:
             context = self._checkpointed_attention_forward(
                 query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,

@@ -2,8 +2,9 @@
 
 The references define the function; the fused versions must match them (tests compare both on random inputs,
 forward and backward). On CUDA, SwiGLU is Transformer Engine's fused kernel pair (swiglu / dswiglu, through its
-public `te.pytorch.ops.SwiGLU`) where TE is installed, else torch.compile'd; RMSNorm is torch.compile'd. One read
-of the input and one write of the output instead of several. On the CPU the reference runs as is.
+public `te.pytorch.ops.SwiGLU`) where TE is installed, else torch.compile'd; RMSNorm is torch.compile'd; RoPE is
+TE's fused kernel where TE is installed (through megatron-core), else torch.compile'd. One read of the input and
+one write of the output instead of several. On the CPU the reference runs as is.
 """
 from __future__ import annotations
 
@@ -24,6 +25,41 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight.to(x.dtype)
+
+
+def rope_reference(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of [s, b, h, d] by [s, 1, 1, r] angles (r <= d channels rotated, the rest passed through),
+    halves rotated (Llama's layout, not interleaved); cos and sin are taken in the angles' dtype, then rounded to
+    the input's, as megatron-core's unfused RoPE does."""
+    r = freqs.size(-1)
+    x, rest = t[..., :r], t[..., r:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    x = x * torch.cos(freqs).to(t.dtype) + rotated * torch.sin(freqs).to(t.dtype)
+    return torch.cat([x, rest], dim=-1) if rest.numel() else x
+
+
+def rope_impl(t: torch.Tensor, config) -> str:
+    """Which RoPE `rope` runs: 'te' (config.apply_rope_fusion: megatron-core calls TE's fused kernel),
+    'compiled' (a GPU without TE: megatron-core refuses apply_rope_fusion there, so the layer fuses it itself) or
+    'unfused' (megatron-core's plain torch ops: the CPU, and --no-rope-fusion where TE is installed)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if config.apply_rope_fusion:
+        return "te"
+    if t.is_cuda and rope_utils.fused_apply_rotary_pos_emb is None and not config.rotary_interleaved:
+        return "compiled"
+    return "unfused"
+
+
+def rope(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens=None, cp_group=None) -> torch.Tensor:
+    if cu_seqlens is None and rope_impl(t, config) == "compiled":
+        # megatron-core's unfused RoPE is several elementwise kernels each way: on an H200 (llama-3b, local
+        # backend, micro-batch 4) they took ~100 ms of a 1.46 s step.
+        return _compiled(rope_reference)(t, freqs)
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens, cp_group=cp_group)
 
 
 @functools.lru_cache(maxsize=None)
