@@ -36,6 +36,7 @@ if has single; then
   run litespark-local-fp32 1 --transformer-impl local
   run stock-te-bf16 1 --spec stock-te --bf16
   run stock-local-bf16 1 --spec stock-local --bf16
+  run litespark-te-mla 1 --transformer-impl te --bf16 --multi-latent-attention
   if [ "$FP8" = 1 ]; then
     run litespark-te-fp8 1 --transformer-impl te --bf16 --fp8-format hybrid --fp8-recipe delayed
     run litespark-te-fp8-tensorwise 1 --transformer-impl te --bf16 --fp8-format e4m3 --fp8-recipe tensorwise
@@ -49,6 +50,7 @@ if has multi && [ "$NGPU" -ge 2 ]; then
   run te-cp2 2 --transformer-impl te --bf16 --context-parallel-size 2
   [ "$FP8" = 1 ] && run te-cp2-fp8 2 --transformer-impl te --bf16 --fp8-format hybrid --context-parallel-size 2
   run stock-te-cp2 2 --spec stock-te --bf16 --context-parallel-size 2
+  run te-mla-cp2 2 --transformer-impl te --bf16 --multi-latent-attention --context-parallel-size 2
   run local-tp2-sp 2 --transformer-impl local --bf16 --tensor-model-parallel-size 2 --sequence-parallel
   run local-dp2 2 --transformer-impl local --bf16
   run local-cp2 2 --transformer-impl local --bf16 --context-parallel-size 2
