@@ -20,7 +20,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from . import specs
-from .platform import current_device, te_importable, te_wgrad_fusion_without_apex, unfuse_megatron_linears
+from .layers.kernels import te_rope_available
+from .platform import current_device, te_wgrad_fusion_without_apex, unfuse_megatron_linears
 from .config import padded_vocab_size, virtual_pipeline_size
 
 
@@ -82,7 +83,7 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         # kernel wherever TE is installed, the local backend too; a compiled one on GPUs without TE:
         # layers/kernels.py). MLA's fused RoPE kernel implements YaRN only; its plain RoPE runs unfused.
         apply_rope_fusion=args.rope_fusion and not args.multi_latent_attention and (
-            te or (args.spec == "litespark" and device_type == "cuda" and te_importable())),
+            te or (args.spec == "litespark" and device_type == "cuda" and te_rope_available())),
         bias_activation_fusion=False,
         masked_softmax_fusion=te,
         bias_dropout_fusion=device_type == "cuda",

@@ -126,8 +126,8 @@ read -r NPROC DEVICE ARCH TP PP CP <<<"$CHECK_OUT"
 if [ "$DEVICE" = cuda ]; then
   # Megatron-Core overlaps the tensor-parallel all-gather / reduce-scatter (sequence parallel) and all-reduce, and
   # TE's context-parallel ring (stock-te spec), with compute by issuing the communication kernel first; that order
-  # holds only with a single hardware work queue, i.e. CUDA_DEVICE_MAX_CONNECTIONS=1 (otherwise the overlap is lost and
-  # Megatron warns). Blackwell (compute capability 10+) schedules them in order without it; TP=1 and CP=1 have
+  # holds only with a single hardware work queue, i.e. CUDA_DEVICE_MAX_CONNECTIONS=1 (otherwise the overlap is lost
+  # and Megatron warns). Blackwell (compute capability 10+) schedules them in order without it; TP=1 and CP=1 have
   # nothing to overlap.
   if [ "$ARCH" -lt 10 ] && [ "$TP" != - ] && [ $((TP * CP)) -gt 1 ]; then
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"

@@ -45,10 +45,10 @@ def check_ok_row(row, seq: int, gbs: int):
 
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
+    recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
     rc = load_tool("benchmark").main(TINY + ["--systems", "litespark-local-bf16,stock-te-bf16", "--out", str(out),
                                              "--profile-steps", "1", "--megatron-flags=--no-gradient-accumulation-fusion",
-                                             "--variant", "local-recompute=litespark-local-bf16:--recompute-granularity "
-                                                          "full --recompute-method uniform --recompute-num-layers 1"])
+                                             "--variant", f"local-recompute=litespark-local-bf16:{recompute}"])
     printed = capsys.readouterr().out
     assert rc == 1  # one system failed; the run itself completed
     report = json.loads((out / "benchmark.json").read_text())
@@ -241,7 +241,8 @@ def test_hf_config_has_the_preset_shape():
     (["--variant", "v=hf-eager:--bf16"], "'hf-eager' is an HF system, which takes no litespark-train flags"),
     (["--systems", "litespark-fp8", "--variant", "litespark-fp8=litespark-fp8:--fp8-recipe tensorwise"],
      "the name 'litespark-fp8' is already taken"),
-    (["--variant", "v=litespark-fp8:--fp8-recipe nope"], "--variant v: litespark-train: error: argument --fp8-recipe: invalid choice"),
+    (["--variant", "v=litespark-fp8:--fp8-recipe nope"],
+     "--variant v: litespark-train: error: argument --fp8-recipe: invalid choice"),
     (["--variant", "v=litespark-fp8:--bogus"], "--variant v: not litespark-train flags: --bogus"),
     (["--variant", "v=litespark-bf16:--num-layers 3 --micro-batch-size 1"],
      "--variant v: changes --num-layers, --micro-batch-size, which the benchmark sets"),

@@ -12,6 +12,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings import rope_utils
 
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -39,15 +40,18 @@ def rope_reference(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, rest], dim=-1) if rest.numel() else x
 
 
+def te_rope_available() -> bool:
+    """Whether megatron-core found TE's fused RoPE: what its TransformerConfig requires for apply_rope_fusion."""
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
 def rope_impl(t: torch.Tensor, config) -> str:
     """Which RoPE `rope` runs: 'te' (config.apply_rope_fusion: megatron-core calls TE's fused kernel),
     'compiled' (a GPU without TE: megatron-core refuses apply_rope_fusion there, so the layer fuses it itself) or
     'unfused' (megatron-core's plain torch ops: the CPU, and --no-rope-fusion where TE is installed)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     if config.apply_rope_fusion:
         return "te"
-    if t.is_cuda and rope_utils.fused_apply_rotary_pos_emb is None and not config.rotary_interleaved:
+    if t.is_cuda and not te_rope_available() and not config.rotary_interleaved:
         return "compiled"
     return "unfused"
 
@@ -57,9 +61,7 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens=None, cp_group
         # megatron-core's unfused RoPE is several elementwise kernels each way: on an H200 (llama-3b, local
         # backend, micro-batch 4) they took ~100 ms of a 1.46 s step.
         return _compiled(rope_reference)(t, freqs)
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens, cp_group=cp_group)
+    return rope_utils.apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens, cp_group=cp_group)
 
 
 @functools.lru_cache(maxsize=None)
