@@ -29,6 +29,12 @@ Systems (`--systems`, comma list):
 `--variant NAME=SYSTEM:FLAGS` adds a system that is SYSTEM plus some litespark-train flags (a recipe, a fusion,
 a recompute setting), so that one change is measured side by side with what it changes, in the same run.
 
+What each system ran is part of its row (health.py): the attention kernel, observed on one more step after the
+timed ones (TE's FusedAttention / FlashAttention / UnfusedDotProductAttention with the cuDNN TE loaded; the kernel
+torch's SDPA picked), and its fused paths (cross-entropy, RoPE, weight-gradient accumulation). A system that fell
+back is flagged DEGRADED and the benchmark exits 1 unless --allow-degraded; before anything runs, a fresh process
+checks that TE's fused attention works here for the model's head shape, and the benchmark refuses to start if not.
+
 A system that cannot run (no Transformer Engine, no FP8, out of memory, an import error, a timeout) is reported
 as failed with a one-line reason; the others still run. Without CUDA everything runs in fp32 on the CPU (no bf16
 tensor cores to measure) and the GPU-only columns read "n/a", so the tool can be checked end to end anywhere.
@@ -53,6 +59,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import health as health_lib
 from .config import ConfigError, UserError, padded_vocab_size
 from .config import resolve as resolve_config
 from .config import validate as validate_config
@@ -64,6 +71,7 @@ BEST_MICRO_BATCH_GLOBAL_DEFAULT = 8
 # Optimizer settings shared by every system: litespark-train's defaults, constant LR so every step does the same.
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP_GRAD = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 _FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed")
+PREFLIGHT_TIMEOUT = 300  # seconds for the fused-attention check: importing TE and one small attention call
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,10 @@ def build_parser():
     p.add_argument("--timeout", type=_cli.positive_int, default=600, help="seconds per worker process")
     p.add_argument("--seed", type=_cli.non_negative_int, default=1234)
     p.add_argument("--out", default=None, help="directory for benchmark.md, benchmark.json and logs/")
+    p.add_argument("--allow-degraded", action="store_true",
+                   help="exit 0 even if a system fell back (attention that materializes the score matrix or no "
+                        "attention kernel, a fused path asked for but off); such rows stay flagged DEGRADED in the "
+                        "table. Without it the benchmark exits 1: a comparison against a degraded system is not one")
     g = p.add_argument_group("model shape overrides (litespark-train names)")
     for name in SHAPE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=_cli.positive_int, default=None)
@@ -435,16 +447,65 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             (out / "benchmark.md").write_text(text)
         return text
 
+    warning = None
+    if any(s.kind == "megatron" for s in systems.values()):
+        warning = preflight(args)
+        if warning and not opts.allow_degraded:
+            print(f"benchmark: error: {warning}. Nothing was measured: a comparison against a system without fused "
+                  "attention is not one (pass --allow-degraded to measure anyway, flagged)", file=sys.stderr)
+            return 1
     with contextlib.ExitStack() as stack:
         log_dir = out / "logs" if out is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="litespark-benchmark-")))
-        report = run_all(systems, flags, gbs, candidates, opts, args, log_dir, command, on_progress=write)
+        report = run_all(systems, flags, gbs, candidates, opts, args, log_dir, command, on_progress=write,
+                         environment_warning=warning)
     print(write(report), end="", flush=True)
-    return 0 if all(r["status"] == "ok" for r in report["systems"]) else 1
+    return exit_code(report, opts.allow_degraded)
+
+
+def preflight(args, timeout: int = PREFLIGHT_TIMEOUT) -> Optional[str]:
+    """Before any system runs: does Transformer Engine's fused attention work on this machine, for this model's head
+    shape? Asked in a fresh process (the parent holds no CUDA context). Returns the warning line, or None (fine, no
+    GPU, or no TE: then the systems that need TE fail on their own, saying so)."""
+    spec = dict(head_dim=args.hidden_size // args.num_attention_heads, heads=args.num_attention_heads,
+                kv_heads=args.num_query_groups)
+    cmd = [sys.executable, "-m", "litespark_megatron.benchmark", "--preflight", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env())
+    except subprocess.TimeoutExpired:
+        return f"the fused-attention check did not finish within {timeout} s"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return f"the fused-attention check failed: {_one_line(proc.stderr.strip().splitlines()[-1:] or proc.stderr)}"
+    return json.loads(lines[-1])["warning"]
+
+
+def preflight_main(spec_json: str) -> None:
+    from .health import te_attention_check
+
+    spec = json.loads(spec_json)
+    print(json.dumps({"warning": te_attention_check(spec["head_dim"], spec["heads"], spec["kv_heads"])}), flush=True)
+
+
+def degraded_systems(report: dict) -> Dict[str, List[str]]:
+    """System -> why it is degraded, for the systems that ran but fell back."""
+    return {r["system"]: r["health"]["degraded"] for r in report["systems"]
+            if r["status"] == "ok" and r.get("health") and r["health"]["degraded"]}
+
+
+def exit_code(report: dict, allow_degraded: bool) -> int:
+    """1 if a system failed, or fell back without --allow-degraded (each said on stderr); else 0."""
+    failed = [r["system"] for r in report["systems"] if r["status"] != "ok"]
+    degraded = degraded_systems(report)
+    for name, reasons in degraded.items():
+        print(f"benchmark: {name} is DEGRADED: {'; '.join(reasons)}" +
+              ("" if allow_degraded else " (fix the environment, or pass --allow-degraded to accept it)"),
+              file=sys.stderr, flush=True)
+    return 1 if failed or (degraded and not allow_degraded) else 0
 
 
 def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_dir: Path, command: str,
-            on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+            on_progress: Optional[Callable[[dict], None]] = None, environment_warning: Optional[str] = None) -> dict:
     """Run every system (each micro-batch candidate in turn) and return the report; `on_progress` gets the report
     so far after each system, so that a run cut short still leaves the finished systems on disk."""
     rows = []
@@ -464,12 +525,12 @@ def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_
                 break
         rows.append(dict(system=name, tries=tries, chosen=choose(tries)))
         if on_progress is not None and i < len(systems):
-            on_progress(build_report(rows, systems, gbs, candidates, opts, args, command))
-    return build_report(rows, systems, gbs, candidates, opts, args, command)
+            on_progress(build_report(rows, systems, gbs, candidates, opts, args, command, environment_warning))
+    return build_report(rows, systems, gbs, candidates, opts, args, command, environment_warning)
 
 
 def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candidates: List[int], opts, args,
-                 command: str) -> dict:
+                 command: str, environment_warning: Optional[str] = None) -> dict:
     """The report (benchmark.json) from the workers' results: rates, MFU and ratios derived here."""
     device = next((t["device"] for row in rows for t in row["tries"] if t.get("device")), None)
     on_gpu = bool(device and device.get("type") == "cuda")
@@ -489,7 +550,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
                                                   "joules", "energy_seconds", "energy_note", "peak_mem_gib",
                                                   "peak_mem_timed_gib", "loss_first", "loss_last", "params",
-                                                  "skipped_steps", "notes", "profile")})
+                                                  "skipped_steps", "notes", "profile", "health")})
             entry.update(derive(c, flops[name], peak_tflops))
         results[name] = entry
     for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
@@ -503,6 +564,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
     return dict(
         command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         device=device, software=_software_versions(), peak=peak, peak_note=peak_note,
+        environment_warning=environment_warning,
         settings=dict(model=opts.model, seq_length=args.seq_length, global_batch_size=gbs,
                       tokens_per_step=gbs * args.seq_length, micro_batch_candidates=candidates,
                       best_micro_batch=opts.best_micro_batch, warmup=opts.warmup, steps=opts.steps, seed=opts.seed,
@@ -543,8 +605,10 @@ def _count(n: int, what: str) -> str:
 def render_markdown(report: dict) -> str:
     s, dev, sw = report["settings"], report["device"], report["software"]
     if dev and dev.get("type") == "cuda":
+        te_cudnn = f", TE's cuDNN {dev['te_cudnn']}" if dev.get("te_cudnn") else ""
         device = (f"{dev['name']} (1 of {dev['count']} visible; compute capability {dev['capability']}), "
-                  f"CUDA {dev.get('cuda')}, cuDNN {dev.get('cudnn')}, driver {dev.get('driver') or 'n/a'}")
+                  f"CUDA {dev.get('cuda')}, torch's cuDNN {dev.get('cudnn')}{te_cudnn}, "
+                  f"driver {dev.get('driver') or 'n/a'}")
     elif dev:
         device = (f"CPU ({dev.get('name')}, {dev.get('threads')} threads): every system in fp32 (no bf16 tensor "
                   "cores to measure); GPU memory, power and energy n/a")
@@ -578,20 +642,25 @@ def render_markdown(report: dict) -> str:
     lines.append("- power and J/token: NVML total-energy counter of the GPU over the timed steps only")
     if report.get("pending"):
         lines.append(f"- PARTIAL: still to run: {', '.join(report['pending'])}")
+    if report.get("environment_warning"):
+        lines.append(f"- **WARNING** (measured with --allow-degraded): {report['environment_warning']}")
     if report["vocab_note"]:
         lines.append(f"- {report['vocab_note']}")
-    lines += ["", "| system | precision | micro-batch x accum. | tokens/s | vs HF eager | TFLOP/s/GPU full / causal "
-                  "| MFU full / causal | peak mem GiB | W | J/token | J/token vs HF eager | loss first -> last |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| system | precision | attention | fused: cross-entropy / RoPE / wgrad-acc. | micro-batch x accum. "
+                  "| tokens/s | vs HF eager | TFLOP/s/GPU full / causal | MFU full / causal | peak mem GiB | W | J/token "
+                  "| J/token vs HF eager | loss first -> last |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio_key = "vs_" + BASELINE.replace("-", "_")
     for r in report["systems"]:
         if r["status"] != "ok":
             reason = str(r["reason"]).replace("|", "\\|")  # a pipe in an error message would split the cell
-            lines.append(f"| {r['system']} | {r['status']}: {reason} |" + " |" * 10)
+            lines.append(f"| {r['system']} | {r['status']}: {reason} |" + " |" * 12)
             continue
         ratio = r.get(ratio_key) or {}
+        attention, fused, flag = _health_cells(r.get("health"))
         lines.append(
-            f"| {r['system']} | {r['precision']} | {r['micro_batch_size']} x {r['accumulation_steps']} | "
+            f"| {r['system']}{flag} | {r['precision']} | {attention} | {fused} | "
+            f"{r['micro_batch_size']} x {r['accumulation_steps']} | "
             f"{r['tokens_per_sec']:,.0f} | {_fmt(ratio.get('tokens_per_sec'), '.2f', 'x')} | "
             f"{_tflops(r['tflops_per_gpu'])} / {_tflops(r['tflops_per_gpu_causal'])} | "
             f"{_fmt(r['mfu'], '.1%')} / {_fmt(r['mfu_causal'], '.1%')} | {_fmt(r['peak_mem_gib'], '.1f')} | "
@@ -603,6 +672,11 @@ def render_markdown(report: dict) -> str:
     if any(r["status"] == "ok" and r["kind"] == "megatron" for r in report["systems"]) \
             and dev and dev.get("type") == "cuda":
         lines.append(f"- {MEGATRON_NOTE}")
+    degraded = degraded_systems(report)
+    if degraded:
+        lines += ["", "DEGRADED systems (they fell back: their numbers are not what the system can do, and no ratio "
+                      "against them is fair):", ""]
+        lines += [f"- `{name}`: {'; '.join(reasons)}" for name, reasons in degraded.items()]
     notes = []
     for r in report["systems"]:
         for note in r.get("notes") or []:
@@ -619,6 +693,16 @@ def render_markdown(report: dict) -> str:
         lines += ["", "Notes:", ""] + notes
     lines += render_profiles(report)
     return "\n".join(lines) + "\n"
+
+
+def _health_cells(health: Optional[dict]) -> Tuple[str, str, str]:
+    """(attention, fused paths, flag after the system's name) of a result's health record."""
+    if not health:
+        return "not recorded", "not recorded", ""
+    attention = " + ".join(health["attention"]) or "none seen"
+    f = health["fusions"]
+    fused = " / ".join(f.get(k, "n/a") for k in ("cross_entropy", "rope", "wgrad_accumulation")) if f else "n/a"
+    return attention, fused, " **DEGRADED**" if health["degraded"] else ""
 
 
 def render_profiles(report: dict) -> List[str]:
@@ -772,10 +856,10 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     forward = torch.compile(model) if system.compile else model
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     accumulation = gbs // mbs
-    batches = token_batches(warmup + steps + profile_steps, gbs, args.seq_length, args.vocab_size, args.seed)
+    batches = token_batches(warmup + steps + profile_steps + 1, gbs, args.seq_length, args.vocab_size, args.seed)
     it = iter(batches)
 
-    def step() -> float:
+    def step(forward=forward) -> float:
         tokens = next(it).to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device, dtype=torch.float32)
@@ -792,6 +876,11 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
 
     result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
     result["profile"] = _profile(step, profile_steps, cuda)
+    # What ran, seen on one more step of the eager model (torch.compile lowers SDPA to the kernel the same dispatcher
+    # picks for these tensors; the spy itself would make the compiled graph recompile).
+    with health_lib.BackendProbe([model]) as probe:
+        step(forward=model)
+    result["health"] = probe.report(device_type=device.type).to_dict()
     result.update(params=params, skipped_steps=0, notes=[],
                   precision="bf16 (params, grads, AdamW states)" if cuda else "fp32 (CPU run)")
     return result
@@ -828,7 +917,8 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int, prof
     chunks, model, optimizer, scheduler = optim.build_training(args, backend, plat.device_type)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     mbs, gbs = args.micro_batch_size, args.global_batch_size
-    batches = iter(token_batches(warmup + steps + profile_steps, gbs, args.seq_length, args.vocab_size, args.seed))
+    batches = iter(token_batches(warmup + steps + profile_steps + 1, gbs, args.seq_length, args.vocab_size,
+                                 args.seed))
     skipped = []
 
     def step() -> float:
@@ -840,10 +930,14 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int, prof
 
     result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
     result["profile"] = _profile(step, profile_steps, cuda)
+    with health_lib.BackendProbe(chunks) as probe:  # one more step, untimed: what ran
+        step()
+    result["health"] = probe.report(config=chunks[0].config, device_type=plat.device_type,
+                                    requested=health_lib.requested_fusions(args)).to_dict()
     precision = ("fp8 hybrid, delayed scaling + bf16, fp32 main params" if args.fp8_format
                  else "bf16, fp32 main params") if cuda else "fp32 (CPU run)"
     notes = []
-    n_skipped = sum(skipped[warmup:])
+    n_skipped = sum(skipped[warmup:warmup + steps])
     if n_skipped:
         notes.append(f"{n_skipped} timed step(s) skipped the update (inf/nan gradients): less work than a full step")
     result.update(params=params, skipped_steps=n_skipped, precision=precision, notes=notes, backend=backend,
@@ -879,19 +973,9 @@ def _runtime_device() -> dict:
     except Exception:  # the driver version is informative only; NVML's absence is reported by the energy column
         pass
     return dict(type="cuda", name=torch.cuda.get_device_name(index), count=torch.cuda.device_count(),
-                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=_cudnn_version(),
+                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=health_lib.torch_cudnn_version(),
+                te_cudnn=health_lib.te_cudnn_version(),
                 driver=driver, memory_gib=torch.cuda.get_device_properties(index).total_memory / 2**30)
-
-
-def _cudnn_version() -> Optional[str]:
-    import torch
-
-    v = torch.backends.cudnn.version()
-    if not v:
-        return None
-    # cuDNN 9 encodes major*10000 + minor*100 + patch (91400 = 9.14.0); cuDNN 8 major*1000 + minor*100 + patch.
-    major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
-    return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def _one_line(text: str) -> str:
@@ -960,4 +1044,6 @@ def worker_main(spec_json: str, result_path: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         worker_main(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 3 and sys.argv[1] == "--preflight":
+        sys.exit(preflight_main(sys.argv[2]))
     sys.exit(main())

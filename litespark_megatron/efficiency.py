@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from . import config as config_lib
+from . import health as health_lib
 from .config import ConfigError, UserError
 
 STATE_FILE = "suite_state.json"
@@ -130,6 +131,7 @@ class Settings:
     rerun: List[str]
     variant_flags: Dict[str, List[str]]
     shared: List[str]  # litespark-train flags after '--'
+    allow_degraded: bool = False
 
     def identity(self) -> dict:
         """What makes two invocations the same suite (the variant list may grow between them)."""
@@ -173,6 +175,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rerun", default="", help="comma list of variants to run again even if recorded as done")
     p.add_argument("--variant-flags", action="append", default=[], metavar="NAME=FLAGS",
                    help="extra litespark-train flags for one variant, e.g. moe='--num-experts 4'")
+    p.add_argument("--allow-degraded", action="store_true",
+                   help="exit 0 even if a variant fell back (unfused attention, a fused path asked for but off); it "
+                        "stays flagged DEGRADED in the table")
     return p
 
 
@@ -203,7 +208,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                     train_iters=ns.train_iters, log_interval=ns.log_interval, eval_iters=ns.eval_iters,
                     nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
                     timeout=ns.timeout, time_budget=ns.time_budget, rerun=rerun, variant_flags=variant_flags,
-                    shared=shared)
+                    shared=shared, allow_degraded=ns.allow_degraded)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -400,6 +405,7 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     measured_tokens = [t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None]
     joules = sum(r["joules_per_token"] * t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None)
     val = [r for r in records if r.get("kind") == "val"]
+    health = health_lib.from_metrics(records)
     out = dict(
         params=params,
         world_size=world,
@@ -424,6 +430,8 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
         final_train_loss=end.get("final_loss"),
         skipped_steps=end.get("skipped_steps"),
         energy_kwh=end.get("energy_kwh"),
+        attention=" + ".join(health.attention) if health else None,
+        degraded="; ".join(health.degraded) if health else None,
     )
     return out
 
@@ -457,7 +465,8 @@ METRICS = (  # (key, column title, format) in table order
 )
 CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_active", "val_ppl", "val_loss",
               "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w", "aec_w_per_gpu",
-              "j_per_token", "energy_kwh", "host_rss_gb", "intervals_used", "steps_measured", "error", "flags")
+              "j_per_token", "energy_kwh", "host_rss_gb", "intervals_used", "steps_measured", "attention", "degraded",
+              "error", "flags")
 
 
 def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> List[dict]:
@@ -500,7 +509,7 @@ def _fmt(value, spec: str) -> str:
 
 
 def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
-    head = ["variant", "params"] + [title for _, title, _ in METRICS] + ["status"]
+    head = ["variant", "params"] + [title for _, title, _ in METRICS] + ["attention", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         params = f"{r['params'] / 1e6:,.1f}M" if r.get("params") else "?"
@@ -508,10 +517,12 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
             params += f" ({r['params_active'] / 1e6:,.1f}M active)"
         status = r["status"] + (f" (same run as {r['same_run_as']})" if r.get("same_run_as") else "")
         if r["status"] != "done":
-            cells = [r["status"].upper() if r["status"] == "oom" else "-" for _ in METRICS]
+            cells = [r["status"].upper() if r["status"] == "oom" else "-" for _ in METRICS] + ["-"]
             status += f": {r.get('error') or ''}".rstrip(": ")
         else:
-            cells = [_fmt(r.get(key), spec) for key, _, spec in METRICS]
+            cells = [_fmt(r.get(key), spec) for key, _, spec in METRICS] + [r.get("attention") or "not recorded"]
+            if r.get("degraded"):
+                status += f", DEGRADED: {r['degraded']}"
         lines.append("| " + " | ".join([r["variant"], params] + cells + [status.replace("|", "/")]) + " |")
     notes = [
         f"Base `{settings.model}`, {settings.train_iters} steps per variant, precision {settings.precision} unless "
@@ -704,7 +715,11 @@ def run_suite(settings: Settings, log=print) -> int:
     if stopped:
         log(f"--time-budget reached: not started {', '.join(stopped)}; run the same command again to continue")
         return 3
-    return 0 if all(r["status"] == "done" for r in rows) else 1
+    degraded = [f"{r['variant']}: {r['degraded']}" for r in rows if r["status"] == "done" and r.get("degraded")]
+    for what in degraded:
+        log(f"DEGRADED variant {what}" +
+            ("" if settings.allow_degraded else " (fix the environment, or pass --allow-degraded to accept it)"))
+    return 0 if all(r["status"] == "done" for r in rows) and (settings.allow_degraded or not degraded) else 1
 
 
 def _interrupt(signum, frame):

@@ -7,7 +7,6 @@ parallel layouts be checked against one process, and lets a run change layout wi
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import zlib
@@ -21,7 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from . import specs
 from .layers.kernels import te_rope_available
-from .platform import current_device, te_wgrad_fusion_without_apex, unfuse_megatron_linears
+from .platform import current_device, provide_wgrad_accumulation_kernel
 from .config import padded_vocab_size, virtual_pipeline_size
 
 
@@ -79,17 +78,20 @@ def transformer_config(args, backend: str, device_type: str) -> TransformerConfi
         overlap_p2p_comm=vp is not None,
         # Loss is summed over tokens and divided by the global token count: every layout reduces the same way.
         calculate_per_token_loss=True,
-        # Fusions that need TE/Apex/CUDA only where they exist; the Litespark modules bring their own (RoPE: TE's
-        # kernel wherever TE is installed, the local backend too; a compiled one on GPUs without TE:
-        # layers/kernels.py). MLA's fused RoPE kernel implements YaRN only; its plain RoPE runs unfused.
-        apply_rope_fusion=args.rope_fusion and not args.multi_latent_attention and (
-            te or (args.spec == "litespark" and device_type == "cuda" and te_rope_available())),
+        # Fusions that need TE/Apex/CUDA only where they exist. RoPE: TE's kernel wherever TE is installed, with
+        # every spec (megatron-core calls it from its own RoPE function); the Litespark layer runs a compiled one on
+        # GPUs without TE (layers/kernels.py). MLA's fused RoPE kernel implements YaRN only; its plain RoPE runs
+        # unfused.
+        apply_rope_fusion=args.rope_fusion and not args.multi_latent_attention and device_type == "cuda"
+        and te_rope_available(),
         bias_activation_fusion=False,
         masked_softmax_fusion=te,
         bias_dropout_fusion=device_type == "cuda",
         persist_layer_norm=False,  # an Apex FusedLayerNorm option; TE norms and torch norms have no such mode
-        # TE fuses it natively; megatron's own linears only with Apex (build_model switches them off without it).
-        gradient_accumulation_fusion=te and device_type == "cuda" and args.gradient_accumulation_fusion,
+        # TE's linears fuse it natively; megatron-core's own (the output layer, the local backends) through Apex's
+        # kernel or, without Apex, TE's GEMM (platform.provide_wgrad_accumulation_kernel). Neither: unfused.
+        gradient_accumulation_fusion=device_type == "cuda" and args.gradient_accumulation_fusion
+        and provide_wgrad_accumulation_kernel() is not None,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         deallocate_pipeline_outputs=device_type == "cuda",
@@ -148,22 +150,18 @@ def build_model(args, config: TransformerConfig, backend: str, vocab_size: int) 
         stage = vp_stage if vp else None
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        build = te_wgrad_fusion_without_apex() if config.gradient_accumulation_fusion else contextlib.nullcontext()
-        with build:
-            model = GPTModel(
-                config=config,
-                transformer_layer_spec=specs.block_spec(args.spec, backend, config, vp_stage=stage,
-                                                        pp_rank=pp_rank),
-                vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
-                max_sequence_length=args.max_position_embeddings,
-                pre_process=first,
-                post_process=last,
-                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                position_embedding_type=args.position_embedding_type,
-                rotary_base=args.rotary_base,
-                vp_stage=stage,
-            )
-        unfuse_megatron_linears(model)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=specs.block_spec(args.spec, backend, config, vp_stage=stage, pp_rank=pp_rank),
+            vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base,
+            vp_stage=stage,
+        )
         chunks.append(model)
     device = current_device()
     for model in chunks:

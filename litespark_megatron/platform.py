@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import random
 from dataclasses import dataclass
@@ -293,39 +294,54 @@ def patch_mla_without_te() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def te_wgrad_fusion_without_apex():
-    """Build a model whose Transformer Engine linears accumulate weight gradients straight into megatron's fp32
-    main_grad buffers (TE's `fuse_wgrad_accumulation`, native to TE) when Apex is absent.
+class _TEWgradAccumulation:
+    """Apex's `fused_weight_gradient_mlp_cuda` API on Transformer Engine's GEMM: main_grad += dY^T X, accumulated
+    by the GEMM itself in main_grad's dtype (what Apex's kernel and TE's own linears do), with no bf16 weight
+    gradient written and added afterwards."""
 
-    megatron-core ties that TE option to `config.gradient_accumulation_fusion`, and its own ColumnParallelLinear
-    (the output layer) refuses that flag at construction unless Apex's fused_weight_gradient_mlp_cuda is importable.
-    Inside this context the refusal is lifted; `unfuse_megatron_linears` must then switch megatron's own linears
-    back to the unfused path, which is all that Apex's absence takes away."""
+    @staticmethod
+    def _accumulate(total_input, grad_output, main_grad):
+        gemm, extra = _te_general_gemm()
+        # TE's wgrad convention (its Linear's backward): A = input [tokens, in], B = grad [tokens, out], "NT".
+        gemm(total_input, grad_output, out_dtype=main_grad.dtype, layout="NT", grad=True, accumulate=True,
+             out=main_grad, **extra())
+
+    wgrad_gemm_accum_fp32 = _accumulate
+    wgrad_gemm_accum_fp16 = _accumulate
+
+
+@functools.lru_cache(maxsize=None)
+def _te_general_gemm():
+    """TE's general_gemm and a function giving its version-specific extra keywords: older TE releases take a cuBLAS
+    workspace from their module base, newer ones (2.20) manage their own."""
+    import inspect
+
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+    if "workspace" in inspect.signature(general_gemm).parameters:
+        from transformer_engine.pytorch.module.base import get_workspace
+
+        return general_gemm, lambda: {"workspace": get_workspace()}
+    return general_gemm, dict
+
+
+def provide_wgrad_accumulation_kernel() -> Optional[str]:
+    """Make megatron-core's own linears (the output layer; every linear of the local backends) accumulate weight
+    gradients into main_grad inside the GEMM, as TE's linears do. megatron-core takes that kernel only from Apex's
+    `fused_weight_gradient_mlp_cuda` and refuses `gradient_accumulation_fusion` without it; where Apex is absent
+    and Transformer Engine is installed, TE's GEMM provides the same two functions. Returns which kernel serves:
+    "apex", "te", or None (neither: the fusion cannot run here)."""
     from megatron.core.tensor_parallel import layers
 
-    saved = layers._grad_accum_fusion_available
-    layers._grad_accum_fusion_available = True
-    try:
-        yield
-    finally:
-        layers._grad_accum_fusion_available = saved
-
-
-def unfuse_megatron_linears(model: torch.nn.Module) -> int:
-    """Without Apex: megatron-core's own Column/RowParallelLinear compute weight gradients unfused (TE modules keep
-    their fusion). Returns how many linears were switched."""
-    from megatron.core.tensor_parallel import layers
-
+    if getattr(layers, "fused_weight_gradient_mlp_cuda", None) is _TEWgradAccumulation:
+        return "te"
     if layers._grad_accum_fusion_available:
-        return 0
-    switched = 0
-    for module in model.modules():
-        if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and \
-                module.gradient_accumulation_fusion:
-            module.gradient_accumulation_fusion = False
-            switched += 1
-    return switched
+        return "apex"
+    if not te_importable():
+        return None
+    layers.fused_weight_gradient_mlp_cuda = _TEWgradAccumulation
+    layers._grad_accum_fusion_available = True
+    return "te"
 
 
 # --------------------------------------------------------------------------------------------- process groups

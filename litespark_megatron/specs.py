@@ -49,10 +49,9 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     Core attention is torch's scaled_dot_product_attention (LitesparkCoreAttention) on both backends: on Hopper it
-    runs cuDNN's / flash attention's fused kernels straight from torch, so the layer does not depend on which
-    attention backends the installed Transformer Engine can load (where TE's fused attention is unavailable, TE
-    falls back to an unfused softmax attention that was measured 2.5x slower). Under context parallelism it
-    all-gathers keys and values over the CP group (see layers/attention.py).
+    runs cuDNN's / flash attention's fused kernels straight from torch. Which kernel ran is observed and logged on
+    the first step (health.py); a run whose attention fell back to an unfused kernel is flagged, not accepted.
+    Under context parallelism it all-gathers keys and values over the CP group (see layers/attention.py).
 
     Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention
     with Litespark core attention and RMSNorm latent norms (local) / TE modules (te). MLP: the Litespark SwiGLU MLP,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks a GPU install end to end: the GPU-only tests (TE spec equivalence, fused kernels), then the tiny model
 # for a few steps with each spec/backend and precision on one GPU, then (with >= 2 GPUs) TP2, TP2+SP, PP2, DP2
-# and CP2. Logs go to ${OUT_DIR:-runs/gpu_check}; the last lines are a table.
+# and CP2. Logs go to ${OUT_DIR:-runs/gpu_check}; the last lines are a table. Stops at once (exit 1) when TE's
+# fused attention does not run on a Hopper GPU; exits 1 if a test or a run failed.
 #   bash scripts/gpu_check.sh            # PARTS="tests single multi" by default; pick a subset with PARTS=...
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,11 +13,29 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 FP8=$(python3 -c "import torch; print(int(torch.cuda.get_device_capability() >= (8, 9)))")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpus.txt"
+# On Hopper, TE's attention must run its fused cuDNN kernel: a stock baseline without it (TE loading another cuDNN
+# than torch's) made every earlier "vs stock" ratio wrong. Stop here rather than measure anything.
+if ! python3 - <<'PY'
+import sys, torch
+from litespark_megatron import health, platform
+if torch.cuda.get_device_capability()[0] == 9:
+    if not platform.te_importable():
+        sys.exit("gpu_check: Transformer Engine is not importable on this Hopper GPU: pip install -e '.[te]'")
+    warning = health.te_attention_check(128, 32, 8)
+    if warning:
+        sys.exit(f"gpu_check: {warning}")
+    print(f"TE fused attention: yes (TE's cuDNN {health.te_cudnn_version()}, torch's {health.torch_cudnn_version()})")
+PY
+then
+  exit 1
+fi
 
 PARTS="${PARTS:-tests single multi}"
+failed=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_specs.py tests/test_kernels.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" | tail -3
+  python3 -m pytest -q -p no:cacheprovider tests/test_specs.py tests/test_kernels.py tests/test_health.py \
+    tests/test_platform.py::test_wgrad_accumulation_kernel_needs_apex_or_te 2>&1 | tee "$OUT_DIR/pytest_gpu.log" | tail -3 || failed=1
 fi
 
 TINY=(--model tiny --mock-data --seq-length 256 --vocab-size 4096 --micro-batch-size 4 --global-batch-size 16
@@ -27,8 +46,12 @@ run() {  # name nproc flags...
   local log="$OUT_DIR/$name.log"
   torchrun --standalone --nproc-per-node "$nproc" -m litespark_megatron "${TINY[@]}" "$@" >"$log" 2>&1
   local rc=$?
+  [ "$rc" = 0 ] || failed=1
   local line; line=$(grep -E "^step +30/30" "$log" | tail -1)
   results+=("$(printf '%-28s rc=%s  %s' "$name" "$rc" "${line:-$(grep -m1 -E 'Error|error' "$log")}")")
+  # What ran (the trainer's first-step line); a fallback is shown, e.g. stock-local's unfused attention by design.
+  results+=("$(printf '%-28s %s' '' "$(grep -m1 -E '^what ran:' "$log")")")
+  grep -q "DEGRADED" "$log" && results+=("$(printf '%-28s %s' '' "$(grep -m1 DEGRADED "$log")")")
 }
 if has single; then
   run litespark-te-bf16 1 --transformer-impl te --bf16
@@ -56,3 +79,4 @@ if has multi && [ "$NGPU" -ge 2 ]; then
   run local-cp2 2 --transformer-impl local --bf16 --context-parallel-size 2
 fi
 printf '%s\n' "${results[@]}" | tee "$OUT_DIR/summary.txt"
+exit "$failed"

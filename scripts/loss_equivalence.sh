@@ -23,7 +23,8 @@
 #                          --transformer-impl te --bf16;litespark-fp8:<the same> --fp8-format hybrid
 #                          Add a noise floor to read the others against: the reference with other rounding only,
 #                          e.g. "stock-noise:--spec stock-te --bf16 --no-gradient-accumulation-fusion" (at small
-#                          batches two such runs can part by more than 1%: docs/benchmarks.md)
+#                          batches two such runs can part by more than 1%:
+#                          docs/benchmarks/2026-11-22-loss-equivalence-llama-1b.md)
 #
 #   bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32
 #   CONCURRENT=3 bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32   # 3 GPUs at once

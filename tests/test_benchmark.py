@@ -76,13 +76,18 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     assert report["command"].startswith("python tools/benchmark.py --model tiny")
     md = (out / "benchmark.md").read_text()
     assert printed.endswith(md)  # the table is printed last
-    assert "| litespark-local-bf16 | fp32 (CPU run) | 2 x 1 |" in md
+    # What ran, per row: on the CPU the SDPA dispatcher picks its CPU flash kernel; no fused path exists there.
+    assert "| litespark-local-bf16 | fp32 (CPU run) | torch SDPA FlashAttention (CPU) | off / unfused / off | 2 x 1 |" \
+        in md
+    assert rows["litespark-local-bf16"]["health"] == dict(
+        attention=["torch SDPA FlashAttention (CPU)"], attention_kind="flash", degraded=[], device_type="cpu",
+        fusions=dict(cross_entropy="off", rope="unfused", wgrad_accumulation="off"))
     assert "| stock-te-bf16 | failed: --spec stock-te needs Transformer Engine" in md
     assert "--systems litespark-local-bf16,stock-te-bf16" in md and "megatron-core 0.16.1" in md
     results_table = md.split("Where the time goes")[0]
     for line in results_table.splitlines():
         if line.startswith("| "):
-            assert line.count("|") == 13, line  # 12 columns in every row, failed ones too
+            assert line.count("|") == 15, line  # 14 columns in every row, failed ones too
     # One log per worker (its first line the worker's command, with the --megatron-flags), a profile per system that
     # ran; the workers' result files are merged into benchmark.json and removed.
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["litespark-local-bf16-mb2.log",
@@ -272,22 +277,32 @@ H200 = {"type": "cuda", "name": "NVIDIA H200", "count": 1, "capability": "9.0", 
 def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     # The GPU columns cannot run here: feed build_report what a CUDA worker returns (measure() on CUDA), with
     # made-up numbers, and check the derived columns and the table against hand arithmetic.
+    fused = dict(cross_entropy="te", rope="te", wgrad_accumulation="on")
+    health = {"hf-eager": dict(attention=["torch SDPA cuDNN"], attention_kind="fused", fusions={}, degraded=[],
+                               device_type="cuda"),
+              "litespark-bf16": dict(attention=["torch SDPA cuDNN"], attention_kind="fused", fusions=fused,
+                                     degraded=[], device_type="cuda"),
+              # what the stock baseline of the earlier ratios ran: TE's fallback, the score matrix materialized
+              "stock-te-bf16": dict(attention=["TE UnfusedDotProductAttention (TE's cuDNN 9.14.0)"],
+                                    attention_kind="unfused", fusions=fused, device_type="cuda",
+                                    degraded=["unfused attention: TE UnfusedDotProductAttention (TE's cuDNN 9.14.0)"])}
+
     def fake_worker(name, system, flags, mbs, gbs, opts, log_dir):
         if name == "stock-te-fp8":
             return dict(system=name, micro_batch_size=mbs, status="oom", reason="out of memory: CUDA out of memory",
                         wall_s=5.0, device=H200, peak_mem_gib=139.1)
-        seconds = {"hf-eager": 10.0, "litespark-bf16": 4.0}[name]
-        joules = {"hf-eager": 7000.0, "litespark-bf16": 2600.0}[name]
+        seconds = {"hf-eager": 10.0, "litespark-bf16": 4.0, "stock-te-bf16": 5.0}[name]
+        joules = {"hf-eager": 7000.0, "litespark-bf16": 2600.0, "stock-te-bf16": 3000.0}[name]
         return dict(system=name, micro_batch_size=mbs, status="ok", steps=10, seconds=seconds, tokens_per_step=8192,
                     step_times_s=[seconds / 10] * 10, joules=joules, energy_seconds=seconds, energy_note=None,
                     peak_mem_gib=90.5, peak_mem_timed_gib=90.0, loss_first=11.9, loss_last=11.5, params=3_606_752_256,
-                    skipped_steps=0, notes=[], precision="bf16", wall_s=40.0, device=H200)
+                    skipped_steps=0, notes=[], precision="bf16", wall_s=40.0, device=H200, health=health[name])
 
     monkeypatch.setattr(benchmark, "run_worker", fake_worker)
     opts = benchmark.build_parser().parse_args([])
     gbs, candidates = benchmark.micro_batch_plan(opts)
     flags = benchmark.base_flags(opts)
-    report = benchmark.run_all(benchmark.parse_systems("hf-eager,litespark-bf16,stock-te-fp8"), flags, gbs,
+    report = benchmark.run_all(benchmark.parse_systems("hf-eager,litespark-bf16,stock-te-bf16,stock-te-fp8"), flags, gbs,
                                candidates, opts, benchmark.check_shape(flags), tmp_path, "python tools/benchmark.py")
     assert report["peak"]["tflops"] == 989.4 and report["peak"]["mfu_basis"] == "bf16-dense"
     rows = {r["system"]: r for r in report["systems"]}
@@ -305,12 +320,54 @@ def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     assert "- device: NVIDIA H200 (1 of 1 visible; compute capability 9.0), CUDA 13.0" in md
     assert "- MFU: against 989.4 TFLOP/s (dense BF16 of H200, datasheet), FP8 systems too" in md
     tflops = full * 10 / 4.0 / 1e12
-    assert (f"| litespark-bf16 | bf16 | 2 x 1 | 20,480 | 2.50x | {tflops:.1f} / "
+    assert (f"| litespark-bf16 | bf16 | torch SDPA cuDNN | te / te / on | 2 x 1 | 20,480 | 2.50x | {tflops:.1f} / "
             f"{2 * 4096 * 21_389_377_536 * 10 / 4.0 / 1e12:.1f} | {tflops / 989.4:.1%} / ") in md
     assert "| 90.5 | 650 | 0.0317 | 0.37x | 11.900 -> 11.500 |" in md
     assert "| stock-te-fp8 | oom: out of memory: CUDA out of memory |" in md
     assert "megatron systems (GPU): bf16 parameters and compute with fp32 main parameters" in md
+    # The fallen-back stock row is flagged in its row and in a section of its own, with the reason.
+    assert "| stock-te-bf16 **DEGRADED** | bf16 | TE UnfusedDotProductAttention (TE's cuDNN 9.14.0) | te / te / on |" \
+        in md
+    assert "- `stock-te-bf16`: unfused attention: TE UnfusedDotProductAttention (TE's cuDNN 9.14.0)" in md
+    assert "| hf-eager | bf16 | torch SDPA cuDNN | n/a |" in md
     json.dumps(report)  # benchmark.json must serialize
+
+
+def _report(*rows):
+    return dict(systems=[dict(system=name, status=status, health=dict(degraded=degraded) if status == "ok" else None)
+                         for name, status, degraded in rows])
+
+
+@pytest.mark.parametrize("rows, allow, code, said", [
+    ([("a", "ok", []), ("b", "ok", [])], False, 0, []),
+    ([("a", "ok", []), ("b", "ok", ["unfused attention: X"])], False, 1,
+     ["benchmark: b is DEGRADED: unfused attention: X (fix the environment, or pass --allow-degraded to accept it)"]),
+    ([("a", "ok", []), ("b", "ok", ["unfused attention: X"])], True, 0, ["benchmark: b is DEGRADED: unfused attention: X"]),
+    ([("a", "ok", []), ("b", "failed", None)], True, 1, []),  # --allow-degraded does not excuse a failure
+])
+def test_exit_code_follows_failures_and_degraded_systems(rows, allow, code, said, capsys):
+    assert benchmark.exit_code(_report(*rows), allow) == code
+    assert capsys.readouterr().err.splitlines() == said
+
+
+def test_cpu_degraded_system_fails_the_run_unless_allowed(tmp_path, capsys):
+    """A real fallback on the CPU: the stock local spec's attention (megatron-core's DotProductAttention) builds
+    the score matrix. The run completes, flags it, and exits 1; with --allow-degraded it exits 0."""
+    argv = TINY + ["--systems", "litespark-local-bf16", "--variant", "stock-local=litespark-local-bf16:--spec stock-local"]
+    assert benchmark.main(argv + ["--out", str(tmp_path / "a")]) == 1
+    captured = capsys.readouterr()
+    assert ("benchmark: stock-local is DEGRADED: unfused attention: megatron-core DotProductAttention (materialized "
+            "scores) (fix the environment, or pass --allow-degraded to accept it)") in captured.err
+    rows = {r["system"]: r for r in json.loads((tmp_path / "a" / "benchmark.json").read_text())["systems"]}
+    assert rows["stock-local"]["health"]["attention_kind"] == "unfused"
+    assert rows["litespark-local-bf16"]["health"]["degraded"] == []
+    assert "| stock-local **DEGRADED** | fp32 (CPU run) | megatron-core DotProductAttention" in captured.out
+    assert benchmark.main(argv + ["--allow-degraded"]) == 0
+    assert "stock-local **DEGRADED**" in capsys.readouterr().out  # still flagged in the table
+
+
+def test_allow_degraded_is_documented():
+    assert "--allow-degraded" in benchmark.build_parser().format_help()
 
 
 def test_measure_cuda_branch_with_a_replayed_energy_counter(monkeypatch):
@@ -356,3 +413,26 @@ def test_hf_llama_3b_is_the_megatron_shape_in_bf16():
     assert sum(p.numel() for p in model.parameters()) == 3_606_752_256
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32  # restored after the build
+
+
+def test_refuses_before_measuring_when_te_fused_attention_is_unavailable(monkeypatch, tmp_path, capsys):
+    """The pre-flight check (TE's attention run once in a fresh process) stands in for a GPU whose TE loaded another
+    cuDNN than torch: nothing is measured, exit 1, the cause named; --allow-degraded measures and says so on top."""
+    warning = "Transformer Engine's fused attention is unavailable here: ... TE loaded cuDNN 9.14.0, torch 9.19.0"
+    monkeypatch.setattr(benchmark, "preflight", lambda args: warning)
+    argv = TINY + ["--systems", "litespark-local-bf16"]
+    assert benchmark.main(argv + ["--out", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"benchmark: error: {warning}. Nothing was measured") and \
+        "--allow-degraded" in err[0]
+    assert not (tmp_path / "a" / "benchmark.json").exists()
+    assert benchmark.main(argv + ["--out", str(tmp_path / "b"), "--allow-degraded"]) == 0
+    assert f"- **WARNING** (measured with --allow-degraded): {warning}" in capsys.readouterr().out
+
+
+def test_preflight_has_nothing_to_refuse_on_this_machine():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the answer depends on its TE and cuDNN (tests/test_health.py checks them)")
+    assert benchmark.preflight(resolve(["--model", "tiny"]), timeout=120) is None

@@ -34,7 +34,7 @@ def test_end_to_end_writes_table_json_csv_plots_and_tensorboard(finished):
     for name in ("gqa", "mqa"):
         row = next(l for l in table.splitlines() if l.startswith(f"| {name} |"))
         assert row.count("not measured") == 5, row  # AMU, PCU, AEC, J/token, peak alloc: GPU-only on CPU
-        assert row.rstrip().endswith("| done |")
+        assert row.rstrip().endswith("| torch SDPA FlashAttention (CPU) | done |")  # what ran, not degraded
     doc = json.loads((out / "efficiency.json").read_text())
     rows = {r["variant"]: r for r in doc["variants"]}
     assert list(rows) == ["gqa", "mqa"]
@@ -44,6 +44,7 @@ def test_end_to_end_writes_table_json_csv_plots_and_tensorboard(finished):
         assert r["tt"] == pytest.approx(r["tokens_per_sec"] / r["params"], rel=1e-12)
         assert r["params_active"] == r["params"]  # dense: the shape's count agrees with the built model's
         assert r["intervals_used"] == 1 and r["intervals_total"] == 2  # the warm-up interval is left out
+        assert r["attention"] == "torch SDPA FlashAttention (CPU)" and r["degraded"] == ""
     # MQA has one KV head where GQA has two: fewer K/V projection weights, 4 layers x 2 x (128 x 32) of them.
     assert rows["gqa"]["params"] - rows["mqa"]["params"] == 4 * 2 * 128 * 32
     csv_lines = (out / "efficiency.csv").read_text().splitlines()

@@ -55,8 +55,9 @@ def test_bf16_close_to_fp32(reference, tmp_path):
 @pytest.mark.parametrize("nproc,flags", [(1, []), (2, ["--tensor-model-parallel-size", "2"])], ids=["1", "tp2"])
 def test_fused_cross_entropy_matches_unfused_in_bf16(nproc, flags, tmp_path):
     """megatron-core's fused vocab-parallel cross-entropy (bf16 only: it rounds the logits gradient to bf16) trains
-    like the unfused one in bf16, also split over TP."""
-    unfused = parity_losses(tmp_path, 1, BASE + ["--bf16"])
+    like the unfused one in bf16, also split over TP. Each is compared with the unfused loss of its own layout: TP2
+    and one process differ by more than the fusion does in bf16 (0.005 at step 2, measured on 2 CPU cores)."""
+    unfused = parity_losses(tmp_path, nproc, BASE + ["--bf16"] + flags)
     fused = parity_losses(tmp_path, nproc, BASE + ["--bf16", "--cross-entropy-loss-fusion"] + flags)
     for step, (a, b) in enumerate(zip(fused["losses"], unfused["losses"])):
         assert abs(a - b) <= 2e-3, f"fused step {step}: {a} vs unfused {b}"

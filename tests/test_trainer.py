@@ -35,7 +35,12 @@ def ok(proc):
                          ids=["adam", "dp2-distributed-optimizer"])
 def test_resume_is_bit_exact(tmp_path, nproc, layout):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    ok(train(nproc, *MOCK, *layout, "--save", straight))
+    first = ok(train(nproc, *MOCK, *layout, "--save", straight))
+    # What ran, observed on the first step: logged in one line and as a "health" record for the tools.
+    assert "what ran: attention torch SDPA FlashAttention (CPU); fused: cross-entropy off, RoPE unfused, " \
+           "wgrad-accumulation off" in first.stdout
+    records = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    assert [r["degraded"] for r in records if r["kind"] == "health"] == [[]]
     ok(train(nproc, *MOCK, *layout, "--save", halves, "--exit-interval", "3"))
     assert (halves / "latest_checkpointed_iteration.txt").read_text() == "3"
     if "--use-distributed-optimizer" in layout:

@@ -32,9 +32,12 @@ def _free_port() -> int:
 
 
 def steady_state(metrics: Path) -> dict:
+    from litespark_megatron.health import from_metrics
+
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("kind") == "train"][1:]  # the first interval holds warm-up/compilation
-    out = {}
+    health = from_metrics(records)
+    out = {"health": health.to_dict() if health else None}
     for field in FIELDS:
         values = [r[field] for r in train if r.get(field) is not None]
         out[field] = sum(values) / len(values) if values else None
@@ -50,6 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for runs, sweep.md and sweep.json")
     p.add_argument("--layout", action="append", required=True, metavar="NPROC:FLAGS")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--allow-degraded", action="store_true",
+                   help="exit 0 even if a layout fell back (unfused attention, a fused path asked for but off); "
+                        "it stays flagged DEGRADED in the table")
     args = p.parse_args(own)
     layouts = []
     for spec in args.layout:
@@ -94,20 +100,35 @@ def main(argv=None) -> int:
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)
 
-    lines = ["| GPUs | layout | tokens/s/GPU | ratio vs first | TFLOP/s/GPU | MFU | peak mem GB | W/GPU | J/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs | layout | tokens/s/GPU | ratio vs first | TFLOP/s/GPU | MFU | peak mem GB | W/GPU | J/token "
+             "| what ran (rank 0) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    degraded = []
     for r in rows:
         if r["rc"] != 0:
-            lines.append(f"| {r['nproc']} | {r['flags']} | failed ({r['rc']}): {r.get('error', '')[:120]} |||||||")
+            lines.append(f"| {r['nproc']} | {r['flags']} | failed ({r['rc']}): {r.get('error', '')[:120]} ||||||||")
             continue
+        health = r.get("health")
+        if health is None:
+            ran = "not recorded"
+        else:
+            ran = ("**DEGRADED**: " + "; ".join(health["degraded"]) + "; " if health["degraded"] else "") + \
+                " + ".join(health["attention"]) + "; fused: " + \
+                ", ".join(f"{k} {v}" for k, v in health["fusions"].items())
+            if health["degraded"]:
+                degraded.append(f"{r['nproc']}:{r['flags']}: " + "; ".join(health["degraded"]))
         lines.append(f"| {r['nproc']} | {r['flags']} | {fmt(r['tokens_per_sec_per_gpu'], ',.0f')} | "
                      f"{fmt(r['ratio_per_gpu_vs_first'], '.3f')} | {fmt(r['tflops_per_gpu'], '.1f')} | "
                      f"{fmt(r['mfu'], '.1%')} | {fmt(r['mem_max_allocated_gb'], '.1f')} | "
-                     f"{fmt(r['gpu_power_w'], '.0f')} | {fmt(r['joules_per_token'], '.4f')} |")
+                     f"{fmt(r['gpu_power_w'], '.0f')} | {fmt(r['joules_per_token'], '.4f')} | {ran} |")
     table = "\n".join(lines)
     (out / "sweep.md").write_text("shared flags: `" + " ".join(shared) + "`\n\n" + table + "\n")
     print(table)
-    return 0 if all(r["rc"] == 0 for r in rows) else 1
+    for what in degraded:
+        print(f"layout_sweep: DEGRADED layout {what}" +
+              ("" if args.allow_degraded else " (fix the environment, or pass --allow-degraded to accept it)"),
+              file=sys.stderr)
+    return 0 if all(r["rc"] == 0 for r in rows) and (args.allow_degraded or not degraded) else 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 import torch.distributed as dist
 
 from .. import config as config_lib
+from .. import health as health_lib
 from .. import platform
 from ..config import UserError
 
@@ -155,6 +156,11 @@ def train(args, plat, corpus=None) -> dict:
     for note in (telemetry.peak_note, telemetry.energy_note):
         if note:
             log0(note)
+    if rank0:
+        warning = health_lib.te_attention_check(args.hidden_size // args.num_attention_heads,
+                                                args.num_attention_heads, args.num_query_groups)
+        if warning:
+            log0(f"WARNING: {warning}")
     sink.log(iteration, "run", dict(params=n_params, world_size=dist.get_world_size(),
                                     flops_per_step_full=telemetry.flops_full.model_flops,
                                     flops_per_step_causal=telemetry.flops_causal.model_flops))
@@ -196,7 +202,13 @@ def train(args, plat, corpus=None) -> dict:
     while iteration < args.train_iters:
         if profiling and iteration == args.profile_step_start:
             profiler = _start_profiler(plat)
-        result = step_lib.train_step(model, optimizer, scheduler, train_iters, num_micro, args)
+        if iteration == start_iteration:  # the first step of this run: what attention and fused paths ran
+            with health_lib.BackendProbe(chunks) as probe:
+                result = step_lib.train_step(model, optimizer, scheduler, train_iters, num_micro, args)
+            _log_health(probe.report(config=chunks[0].config, requested=health_lib.requested_fusions(args),
+                                     device_type=plat.device_type), sink, iteration + 1)
+        else:
+            result = step_lib.train_step(model, optimizer, scheduler, train_iters, num_micro, args)
         iteration += 1
         consumed_train += gbs
         telemetry.step_done()
@@ -266,6 +278,16 @@ def train(args, plat, corpus=None) -> dict:
     telemetry.close()
     _print_summary(summary)
     return summary
+
+
+def _log_health(health, sink, step: int) -> None:
+    """One line saying what ran (rank 0's stages), a WARNING line if it fell back; a "health" record in
+    metrics.jsonl, which the layout sweep and the efficiency suite put next to their numbers."""
+    log0(f"what ran: {health.summary()}")
+    if health.degraded:
+        log0(f"WARNING: this run is DEGRADED: {'; '.join(health.degraded)}")
+    sink.log(step, "health", health.to_dict())
+    sink.text("health", health.summary(), step)
 
 
 def _start_profiler(plat):

@@ -1,0 +1,28 @@
+"""tools/layout_sweep.py on the CPU: each layout's row says what it ran; a layout that fell back is flagged and
+fails the sweep unless --allow-degraded."""
+import json
+
+from conftest import load_tool
+
+SHARED = ["--", "--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size",
+          "2", "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "2", "--eval-iters", "0"]
+
+
+def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
+    sweep = load_tool("layout_sweep")
+    rc = sweep.main(["--out", str(tmp_path / "a"), "--layout", "1:", "--layout", "1:--spec stock-local"] + SHARED)
+    captured = capsys.readouterr()
+    assert rc == 1, captured.out + captured.err
+    rows = json.loads((tmp_path / "a" / "sweep.json").read_text())["rows"]
+    assert [r["rc"] for r in rows] == [0, 0]
+    assert rows[0]["health"]["attention"] == ["torch SDPA FlashAttention (CPU)"] and rows[0]["health"]["degraded"] == []
+    assert rows[1]["health"]["attention_kind"] == "unfused"
+    table = (tmp_path / "a" / "sweep.md").read_text()
+    assert "| torch SDPA FlashAttention (CPU); fused: cross_entropy off, rope unfused, wgrad_accumulation off |" in table
+    assert ("| **DEGRADED**: unfused attention: megatron-core DotProductAttention (materialized scores); "
+            "megatron-core DotProductAttention") in table
+    assert ("layout_sweep: DEGRADED layout 1:--spec stock-local: unfused attention: megatron-core "
+            "DotProductAttention (materialized scores) (fix the environment, or pass --allow-degraded to accept it)"
+            in captured.err)
+    rc = sweep.main(["--out", str(tmp_path / "b"), "--allow-degraded", "--layout", "1:--spec stock-local"] + SHARED)
+    assert rc == 0 and "**DEGRADED**" in (tmp_path / "b" / "sweep.md").read_text()
