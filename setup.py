@@ -9,25 +9,30 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["litespark_megatron", "litespark_megatron.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     install_requires=[
-        # megatron-core >= 0.17 needs Python 3.12; 0.16.1 has wheels for 3.11 and 3.12.
-        "megatron-core==0.16.1",
+        # The trainer is megatron-core's megatron.training (shipped in the wheel since 0.17; Python >= 3.12).
+        "megatron-core==0.19.2",
         "torch>=2.6",
         "numpy",
         "psutil",  # dist_checkpointing's torch_dist writer needs it but does not declare it
         "pyyaml",
         "tensorboard",
         "tokenizers",
+        # Megatron-LM's --tokenizer-type HuggingFaceTokenizer (the usual Llama tokenizer) loads through it, and the
+        # benchmark's HF baselines run on it.
+        "transformers",
         "nvidia-ml-py",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]==2.20.2"],
         "dev": ["pytest>=7", "matplotlib"],
+        # Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir log to Weights & Biases.
+        "wandb": ["wandb"],
     },
     entry_points={
         "console_scripts": [
-            "litespark-train=litespark_megatron.training.loop:main",
+            "litespark-train=litespark_megatron.pretrain:main",
             "litespark-preprocess=litespark_megatron.corpus:preprocess_main",
         ],
     },

@@ -3,8 +3,10 @@
     python tools/benchmark.py --out runs/bench      # llama-3b, seq 4096, micro-batch 2, the five default systems
     python tools/benchmark.py --systems hf-eager,litespark-bf16 --best-micro-batch --global-batch-size 8
 
-Every system trains the same model shape on the same synthetic random tokens (same sequence length, same tokens
-per optimizer step), each in a FRESH process, so that GPU memory, compile caches and megatron-core's global state
+Every system trains the same model shape on synthetic tokens (same sequence length, same tokens per optimizer
+step: the megatron systems read megatron-core's mock dataset, counting sequences; the HF systems random tokens;
+token values do not change the work, but the loss columns of the two kinds are not comparable), each in a FRESH
+process, so that GPU memory, compile caches and megatron-core's global state
 never carry over from one system to the next. A worker runs `--warmup` steps, then `--steps` timed steps (wall
 time, with a CUDA synchronize after every step), and reports:
 
@@ -22,16 +24,16 @@ Systems (`--systems`, comma list):
   several micro-batches; `hf-compile` wraps the model in `torch.compile`. They need `pip install transformers`,
   which is not a dependency of this package.
 * `litespark-bf16`, `litespark-fp8` (FP8 hybrid, delayed scaling), `stock-te-bf16`, `stock-te-fp8`,
-  `litespark-local-bf16` (the no-TE backend): built exactly as litespark-train builds them (config.resolve flags
-  -> platform.init_distributed -> optim.build_training, the trainer's own build ->
-  step.train_step), one process, megatron micro-batching.
+  `litespark-local-bf16` (the no-TE backend): trained by litespark-train itself (megatron.training's loop, in the
+  worker process) on megatron-core's mock data, one process, megatron micro-batching; each step's time (with a
+  device synchronize), energy and memory come from its metrics.jsonl (one log interval per step).
 
 `--variant NAME=SYSTEM:FLAGS` adds a system that is SYSTEM plus some litespark-train flags (a recipe, a fusion,
 a recompute setting), so that one change is measured side by side with what it changes, in the same run.
 
-What each system ran is part of its row (health.py): the attention kernel, observed on one more step after the
-timed ones (TE's FusedAttention / FlashAttention / UnfusedDotProductAttention with the cuDNN TE loaded; the kernel
-torch's SDPA picked), and its fused paths (cross-entropy, RoPE, weight-gradient accumulation). A system that fell
+What each system ran is part of its row (health.py): the attention kernel, observed on an untimed step (the
+trainer's first; for HF one more after the timed ones) (TE's FusedAttention / FlashAttention /
+UnfusedDotProductAttention with the cuDNN TE loaded; the kernel torch's SDPA picked), and its fused paths (cross-entropy, RoPE, weight-gradient accumulation). A system that fell
 back is flagged DEGRADED and the benchmark exits 1 unless --allow-degraded; before anything runs, a fresh process
 checks that TE's fused attention works here for the model's head shape, and the benchmark refuses to start if not.
 
@@ -60,9 +62,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import health as health_lib
-from .config import ConfigError, UserError, padded_vocab_size
-from .config import resolve as resolve_config
-from .config import validate as validate_config
+from .arguments import ConfigError, UserError, padded_vocab_size, resolve_quietly
 
 BASELINE = "hf-eager"
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8)
@@ -71,6 +71,7 @@ BEST_MICRO_BATCH_GLOBAL_DEFAULT = 8
 # Optimizer settings shared by every system: litespark-train's defaults, constant LR so every step does the same.
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP_GRAD = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 _FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed")
+_TE = ("--spec", "litespark", "--transformer-impl", "transformer_engine")
 PREFLIGHT_TIMEOUT = 300  # seconds for the fused-attention check: importing TE and one small attention call
 
 
@@ -88,15 +89,15 @@ SYSTEMS: Dict[str, System] = {
                                  "GPU), parameters, gradients and optimizer states in the parameter dtype"),
     "hf-compile": System("hf", (), "as hf-eager, model under torch.compile (compilation falls in the warm-up "
                                    "steps)", compile=True),
-    "litespark-bf16": System("megatron", ("--spec", "litespark", "--transformer-impl", "te"),
+    "litespark-bf16": System("megatron", _TE,
                              "Litespark layers, Transformer Engine backend", needs_te=True),
-    "litespark-fp8": System("megatron", ("--spec", "litespark", "--transformer-impl", "te") + _FP8,
+    "litespark-fp8": System("megatron", _TE + _FP8,
                             "Litespark layers, Transformer Engine backend, FP8 hybrid with delayed scaling",
                             needs_te=True),
-    "stock-te-bf16": System("megatron", ("--spec", "stock-te"), "Megatron-Core's own Transformer Engine layer spec",
+    "stock-te-bf16": System("megatron", ("--spec", "stock-te"), "Megatron-Core's own Transformer Engine layer",
                             needs_te=True),
     "stock-te-fp8": System("megatron", ("--spec", "stock-te") + _FP8,
-                           "Megatron-Core's own Transformer Engine layer spec, FP8 hybrid with delayed scaling",
+                           "Megatron-Core's own Transformer Engine layer, FP8 hybrid with delayed scaling",
                            needs_te=True),
     "litespark-local-bf16": System("megatron", ("--spec", "litespark", "--transformer-impl", "local"),
                                    "Litespark layers, local backend (megatron-core linears, torch SDPA, compiled "
@@ -203,11 +204,12 @@ def parse_variant(text: str, flags: Sequence[str] = ()) -> Tuple[str, System]:
 
 def base_flags(opts) -> List[str]:
     """litespark-train flags common to every system (precision is added by the worker, which knows the device)."""
-    flags = ["--model", opts.model, "--seq-length", str(opts.seq_length), "--seed", str(opts.seed),
+    # One extra step at the end: the HF worker's backend probe (the trainer probes its first step).
+    flags = ["--model", opts.model, "--mock-data", "--seq-length", str(opts.seq_length), "--seed", str(opts.seed),
              "--lr", str(LR), "--min-lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
              "--weight-decay", str(WEIGHT_DECAY), "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]),
-             "--adam-eps", str(EPS), "--clip-grad", str(CLIP_GRAD), "--eval-iters", "0",
-             "--train-iters", str(opts.warmup + opts.steps + opts.profile_steps)]
+             "--adam-eps", str(EPS), "--clip-grad", str(CLIP_GRAD), "--eval-iters", "0", "--eval-interval",
+             str(10 ** 9), "--train-iters", str(opts.warmup + opts.steps + opts.profile_steps)]
     for name in SHAPE_FLAGS:
         value = getattr(opts, name)
         if value is not None:
@@ -233,8 +235,11 @@ def micro_batch_plan(opts) -> Tuple[int, List[int]]:
 def check_shape(flags: List[str]):
     """The resolved model (preset + overrides) checked the way litespark-train checks it; ConfigError if it cannot
     exist. Uses the TE-free local backend, so it checks the shape, not this machine."""
-    args = resolve_config(flags + ["--spec", "litespark", "--transformer-impl", "local"])
-    validate_config(args, 1, cuda=False, te=False)
+    from . import arguments
+    from .platform import Platform
+
+    args = resolve_quietly(flags + ["--spec", "litespark", "--transformer-impl", "local"])
+    arguments.check(args, Platform("cpu", "gloo", False, False, "cpu"))
     head_dim = args.hidden_size // args.num_attention_heads
     if head_dim % 2:  # RoPE rotates pairs of channels; every system would fail on its first step
         raise ConfigError(f"head dimension {head_dim} (--hidden-size {args.hidden_size} / --num-attention-heads "
@@ -251,22 +256,9 @@ def check_megatron_flags(flags: List[str], extra: str, what: str = "--megatron-f
         raise UserError(f"{what}: {e}") from None
     if not words:
         return
-    import io
-
-    from .config import build_parser as train_parser
-
-    err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
-            _, unknown = train_parser().parse_known_args(flags + words)
-    except SystemExit:  # argparse: a bad value; its last line says which
-        raise UserError(f"{what}: {_one_line(err.getvalue().strip().splitlines()[-1])}") from None
-    if unknown:
-        raise UserError(f"{what}: not litespark-train flags: {' '.join(unknown)} "
-                        "(litespark-train --help lists them)")
-    try:
-        before, after = resolve_config(flags), resolve_config(flags + words)
-    except ConfigError as e:  # presets, spec and backend names
+        before, after = resolve_quietly(flags), resolve_quietly(flags + words)
+    except ConfigError as e:  # a flag litespark-train does not have, a bad value, a preset or spec name
         raise UserError(f"{what}: {e}") from None
     # The tool sets these for every system alike and counts FLOPs from them: a system that changed one would be
     # measured on another model or batch than the table says.
@@ -285,8 +277,8 @@ def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
 
 
 def system_vocab(args, system: System) -> int:
-    """Rows of the output layer: megatron pads the vocabulary to --make-vocab-size-divisible-by (128); HF keeps the
-    preset's (the llama presets are already multiples of 128, so both are the same there)."""
+    """Rows of the output layer: Megatron-LM pads the vocabulary to --make-vocab-size-divisible-by (128, one GPU);
+    HF keeps the preset's (the llama presets are already multiples of 128, so both are the same there)."""
     if system.kind == "hf":
         return args.vocab_size
     return padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
@@ -629,7 +621,8 @@ def render_markdown(report: dict) -> str:
         f"RoPE base {s['rotary_base']}, {'untied' if s['untie_embeddings_and_output_weights'] else 'tied'} embeddings",
         f"- each system in a fresh process: {_count(s['warmup'], 'warm-up step')}, then "
         f"{_count(s['steps'], 'timed step')} (wall time, "
-        "CUDA-synchronized after each step), synthetic random tokens, constant LR",
+        "CUDA-synchronized after each step), synthetic tokens (megatron-core's mock dataset; HF: random), "
+        "constant LR",
         "- TFLOP/s: model FLOPs (3 x forward GEMMs, logits included) with attention counted in full (NeMo tables) / "
         "causal-halved (Megatron-LM); docs/metrics.md",
     ]
@@ -788,9 +781,10 @@ def hf_config_kwargs(args) -> dict:
     """LlamaConfig keywords for the resolved litespark shape (same layers, widths, heads, vocab, RoPE base)."""
     return dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                 num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                num_key_value_heads=args.num_query_groups, head_dim=args.hidden_size // args.num_attention_heads,
+                num_key_value_heads=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+                head_dim=args.hidden_size // args.num_attention_heads,
                 hidden_act="silu", max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
-                rms_norm_eps=args.norm_epsilon, initializer_range=args.init_method_std,
+                rms_norm_eps=args.layernorm_epsilon, initializer_range=args.init_method_std,
                 tie_word_embeddings=not args.untie_embeddings_and_output_weights, attention_bias=False,
                 mlp_bias=False, attention_dropout=args.attention_dropout, use_cache=False)
 
@@ -897,52 +891,79 @@ def _micro_batches(tokens, micro_batch_size: int):
 
 
 def run_megatron(flags: List[str], system: System, warmup: int, steps: int, profile_steps: int = 0) -> dict:
-    from . import config as config_lib
-    from . import platform
-    from .training import optim
-    from .training import step as step_lib
+    """The system trained by litespark-train itself (megatron.training's loop, in this worker process) on mock
+    data, one log interval per step; the timed steps, energy and memory from its metrics.jsonl, what ran from its
+    health record, with --profile-steps megatron.training's torch.profiler trace summarized."""
+    import tempfile
 
-    platform.quiet_library_noise()
-    plat = platform.detect()
-    cuda = plat.device_type == "cuda"
-    args = config_lib.resolve(flags + list(system.flags) + (["--bf16"] if cuda else []))
+    import torch
+
+    cuda = torch.cuda.is_available()
+    run_dir = Path(tempfile.mkdtemp(prefix="litespark-benchmark-run-"))
     try:
-        config_lib.validate(args, 1, cuda=cuda, te=plat.te, fp8_capable=plat.fp8_capable)
+        return _train_and_read(flags, system, warmup, steps, profile_steps, run_dir, cuda)
+    finally:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, cuda: bool) -> dict:
+    from . import platform
+    from .metrics.profile import summarize_trace
+    from .pretrain import prepare, train
+
+    metrics = run_dir / "metrics.jsonl"
+    argv = flags + list(system.flags) + (["--bf16"] if cuda else []) + [
+        "--log-interval", "1", "--metrics-file", str(metrics), "--tensorboard-dir", str(run_dir / "tb")]
+    if profile_steps:
+        first = warmup + steps
+        argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(first), "--profile-step-end",
+                 str(first + profile_steps)]
+    try:
+        args, plat = prepare(argv)  # a refused flag or a missing TE: UserError, the table's one-line reason
     except ConfigError as e:
-        if system.needs_te and cuda and not plat.te:
+        if system.needs_te and cuda and not platform.te_importable():
             raise ConfigError(f"{e} [{_te_import_error()}]") from None
         raise
-    platform.init_distributed(args, plat)
-    backend = config_lib.resolved_backend(args, cuda=cuda, te=plat.te)
-    chunks, model, optimizer, scheduler = optim.build_training(args, backend, plat.device_type)
-    params = sum(p.numel() for c in chunks for p in c.parameters())
-    mbs, gbs = args.micro_batch_size, args.global_batch_size
-    batches = iter(token_batches(warmup + steps + profile_steps + 1, gbs, args.seq_length, args.vocab_size,
-                                 args.seed))
-    skipped = []
-
-    def step() -> float:
-        tokens = next(batches)
-        iters = [_micro_batches(tokens, mbs) for _ in model]
-        r = step_lib.train_step(model, optimizer, scheduler, iters, gbs // mbs, args)
-        skipped.append(r.skipped)
-        return r.loss
-
-    result = measure(step, gbs * args.seq_length, warmup, steps, cuda)
-    result["profile"] = _profile(step, profile_steps, cuda)
-    with health_lib.BackendProbe(chunks) as probe:  # one more step, untimed: what ran
-        step()
-    result["health"] = probe.report(config=chunks[0].config, device_type=plat.device_type,
-                                    requested=health_lib.requested_fusions(args)).to_dict()
-    precision = ("fp8 hybrid, delayed scaling + bf16, fp32 main params" if args.fp8_format
+    try:
+        code = train(args, plat)
+    except SystemExit as e:  # megatron.training exits on its own terms (e.g. a fault its NaN check caught)
+        code = e.code
+    if code:
+        raise RuntimeError(f"litespark-train exited with status {code} (see the log)")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train_rows = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
+    timed = [r for r in train_rows if warmup < r["step"] <= warmup + steps]
+    if len(timed) != steps:
+        raise RuntimeError(f"expected {steps} timed steps in the run's metrics, found {len(timed)}")
+    tokens_per_step = timed[0]["tokens_per_sec"] * timed[0]["step_time_s"]
+    step_times = [r["step_time_s"] for r in timed]
+    measured = all(r.get("joules_per_token") is not None for r in timed)
+    memory = [r.get("mem_max_allocated_gb") for r in train_rows if r.get("mem_max_allocated_gb") is not None]
+    memory_timed = [r["mem_max_allocated_gb"] for r in timed if r.get("mem_max_allocated_gb") is not None]
+    health = next((r for r in records if r["kind"] == "health"), None)
+    start = next(r for r in records if r["kind"] == "run")
+    precision = ("fp8 hybrid, delayed scaling + bf16, fp32 main params" if args.fp8
                  else "bf16, fp32 main params") if cuda else "fp32 (CPU run)"
-    notes = []
-    n_skipped = sum(skipped[warmup:warmup + steps])
-    if n_skipped:
-        notes.append(f"{n_skipped} timed step(s) skipped the update (inf/nan gradients): less work than a full step")
-    result.update(params=params, skipped_steps=n_skipped, precision=precision, notes=notes, backend=backend,
-                  spec=args.spec)
-    return result
+    n_skipped = sum(r["skipped_in_interval"] for r in timed)
+    notes = [f"{n_skipped} timed step(s) skipped the update (inf/nan gradients): less work than a full step"] \
+        if n_skipped else []
+    profile = None
+    if profile_steps:
+        traces = sorted((run_dir / "torch_profile").glob("rank-0.json*"))
+        profile = summarize_trace(str(traces[0])) if traces else None
+    return dict(steps=steps, seconds=sum(step_times), tokens_per_step=round(tokens_per_step),
+                step_times_s=step_times,
+                joules=sum(r["joules_per_token"] * tokens_per_step for r in timed) if measured else None,
+                energy_seconds=sum(step_times) if measured else None,
+                energy_note=None if measured or not cuda else "GPU energy not measured in every timed step",
+                loss_first=train_rows[0]["loss"], loss_last=timed[-1]["loss"],
+                peak_mem_gib=max(memory) if memory else None, peak_mem_timed_gib=max(memory_timed)
+                if memory_timed else None, profile=profile, params=start["params"], skipped_steps=n_skipped,
+                precision=precision, notes=notes, spec=args.litespark_spec, backend=args.transformer_impl,
+                health={k: health[k] for k in ("attention", "attention_kind", "fusions", "degraded", "device_type")}
+                if health else None)
 
 
 def _te_import_error() -> str:
@@ -1015,7 +1036,7 @@ def worker_main(spec_json: str, result_path: str) -> None:
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.set_device(0)
-            args = resolve_config(spec["flags"] + (["--bf16"] if cuda else []))
+            args = resolve_quietly(spec["flags"] + (["--bf16"] if cuda else []))
             args.global_batch_size = args.global_batch_size or args.micro_batch_size
             result.update(run_hf(args, system, cuda, spec["warmup"], spec["steps"], spec.get("profile_steps", 0)))
         else:

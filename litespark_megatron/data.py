@@ -1,10 +1,9 @@
-"""Tokenizers, indexed-dataset prefixes, megatron-core dataset building and the resumable micro-batch iterator.
+"""Text tokenizers, indexed-dataset prefixes and the checks megatron-core leaves to assertions or endless loops.
 
 The data on disk is megatron-core's indexed dataset (`PREFIX.bin` + `PREFIX.idx`, the format Megatron-LM's
 `tools/preprocess_data.py` writes), so corpora prepared for Megatron-LM train here and the other way round.
-Samples come from megatron-core's `GPTDataset` / `MockGPTDataset`, blended and split by its
-`BlendedMegatronDatasetBuilder`; this module adds the checks those classes leave to assertions (or to an endless
-loop), and a batch iterator whose order does not depend on how often a run was interrupted.
+megatron.training builds the datasets and batches from them (pretrain.datasets_provider); this module checks the
+prefixes and the split first, and holds the text tokenizers the preprocessing tool and --sample-prompt use.
 
 megatron-core is imported inside the functions that need it: importing it costs seconds, and the tokenizer and
 argument helpers here are also used by command-line front ends that should start instantly.
@@ -19,12 +18,11 @@ import os
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
 
-from .config import UserError
+from .arguments import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +38,6 @@ real token, so GPTDataset masks only the padding it adds itself, never a genuine
 # End-of-text spellings of common tokenizers, tried in order when a tokenizer directory does not name its EOS token.
 _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<|eot_id|>")
 
-_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-_BATCH_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
-                 "position_ids": torch.int64}
 _SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -570,165 +565,28 @@ def check_split(infos: Sequence[PrefixInfo], split, num_samples: Sequence[Option
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Datasets
+# The run's data, checked before megatron.training starts
 # ----------------------------------------------------------------------------------------------------------------
 
-def _check_num_samples(num_samples) -> List[Optional[int]]:
-    sizes = list(num_samples)
-    if len(sizes) != 3 or any(s is not None and (int(s) != s or s < 0) for s in sizes):
-        raise DataError(f"train_valid_test_num_samples must be three non-negative integers (or None), got "
-                        f"{num_samples!r}")
-    return [None if s is None else int(s) for s in sizes]
+def _check_cache_dir(path: str) -> None:
+    """megatron-core writes its dataset index cache there (creating it on the first rank; a traceback if it
+    cannot)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"cannot write megatron-core's dataset index cache in {path} ({existing} is not a writable "
+                        "directory): give --data-cache-path a writable directory")
 
 
-def build_datasets(args, tokenizer: Tokenizer, train_valid_test_num_samples: Sequence[Optional[int]],
-                   is_built_on_rank: Optional[Callable[[], bool]] = None):
-    """(train, valid, test) datasets from --data-path/--split (or --mock-data), built by megatron-core.
-
-    Each element is a GPTDataset, a BlendedDataset (several prefixes) or None (a part with split weight 0, or a
-    rank for which `is_built_on_rank()` is False). Under torch.distributed every rank must call this (the builder
-    synchronizes with barriers); `is_built_on_rank` says which ranks get datasets (Megatron-LM: the first and
-    last pipeline stages, tensor-parallel rank 0).
-    """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-
-    sizes = _check_num_samples(train_valid_test_num_samples)
-    seq_length = int(args.seq_length)
-    if seq_length < 1:
-        raise DataError(f"--seq-length must be >= 1, got {seq_length}")
-    path_to_cache = getattr(args, "data_cache_path", None)
-
-    if getattr(args, "mock_data", False):
-        if getattr(args, "data_path", None):
-            logger.warning("--mock-data is set: --data-path is ignored")
-        cls, blend, split = MockGPTDataset, None, None
-    else:
-        if not getattr(args, "data_path", None):
-            raise DataError("no training data: pass --data-path PREFIX (tools/preprocess_data.py makes one) or "
-                            "--mock-data")
-        prefixes, weights = _split_blend_tokens(args.data_path)
-        infos = [inspect_prefix(p) for p in prefixes]
-        split = str(getattr(args, "split", None) or "969,30,1").strip()
-        vector = check_split(infos, split, sizes)
-        if len(prefixes) == 1:
-            # One prefix: its weight means nothing, and dropping it avoids a one-dataset BlendedDataset.
-            weights = None
-        elif weights is not None:
-            for part, size in enumerate(sizes):
-                if vector[part] > 0 and size is None:
-                    raise DataError(f"weighted --data-path needs a sample count for the {_SPLIT_NAMES[part]} part")
-        if len(prefixes) > 1 and path_to_cache and not torch.distributed.is_initialized():
-            # megatron-core's BlendedDataset calls torch.distributed.get_rank() when its cache misses, which
-            # fails without a process group; a single process then keeps the blend indices in memory.
-            logger.info("torch.distributed is not initialized: blend indices are not cached in --data-cache-path")
-            path_to_cache = None
-        cls, blend = GPTDataset, (prefixes, weights)
-
-    config = GPTDatasetConfig(
-        random_seed=int(args.seed),
-        sequence_length=seq_length,
-        blend=blend,
-        split=split,
-        path_to_cache=path_to_cache,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        # The model applies a causal mask itself; a [1, s, s] mask per sample would only cost memory.
-        create_attention_mask=False,
-    )
-    builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or (lambda: True), config)
-    try:
-        train, valid, test = builder.build()
-    except Exception as e:
-        # Index caches go to --data-cache-path, or by megatron-core's default next to the data, which may be
-        # read-only; under torch.distributed megatron-core wraps the OSError in a plain Exception.
-        cause = e if isinstance(e, OSError) else e.__cause__
-        if isinstance(cause, OSError):
-            where = path_to_cache or "the directory of the data (megatron-core's default)"
-            raise DataError(f"cannot write megatron-core's dataset index cache in {where} "
-                            f"({cause.strerror or cause}); pass --data-cache-path DIR on a writable disk") from None
-        raise
-    return train, valid, test
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Micro-batch iteration
-# ----------------------------------------------------------------------------------------------------------------
-
-class MicroBatchSampler:
-    """Index lists of one data-parallel rank's micro-batches, in Megatron-LM's pretraining-sampler order.
-
-    The samples form one global stream 0, 1, 2, ...; each step takes `micro_batch_size * dp_size` consecutive
-    samples and rank r takes the r-th slice of `micro_batch_size`. The stream starts at `consumed_samples`, so a
-    resumed run sees exactly what an uninterrupted run would, and wraps around the dataset (position p is sample
-    p mod len) when a run outlasts it. Infinite.
-    """
-
-    def __init__(self, dataset_len: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int) -> None:
-        if dataset_len < 1:
-            raise DataError("the dataset has no samples: it is too small for --seq-length (or its split part is "
-                            "empty); use more data or a shorter --seq-length")
-        if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or consumed_samples < 0:
-            raise DataError(f"bad batch layout: micro_batch_size={micro_batch_size} dp_rank={dp_rank} "
-                            f"dp_size={dp_size} consumed_samples={consumed_samples}")
-        self.dataset_len = int(dataset_len)
-        self.consumed_samples = int(consumed_samples)
-        self.micro_batch_size = int(micro_batch_size)
-        self.dp_rank = int(dp_rank)
-        self.dp_size = int(dp_size)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        step = self.micro_batch_size * self.dp_size
-        position = self.consumed_samples
-        while True:
-            start = position + self.dp_rank * self.micro_batch_size
-            yield [(start + j) % self.dataset_len for j in range(self.micro_batch_size)]
-            position += step
-
-
-def collate(samples: Sequence[Dict]) -> Dict[str, torch.Tensor]:
-    """Stack dataset samples into a batch of tokens/labels/loss_mask/position_ids [b, s] (other keys dropped)."""
-    batch = {}
-    for key in _BATCH_KEYS:
-        batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples]).to(_BATCH_DTYPES[key])
-    return batch
-
-
-class MicroBatchIterator:
-    """In-process iterator over a `MicroBatchSampler`; `consumed_samples` counts the global samples stepped over."""
-
-    def __init__(self, dataset, sampler: MicroBatchSampler) -> None:
-        self.dataset = dataset
-        self._sampler = sampler
-        self._indices = iter(sampler)
-        self.consumed_samples = sampler.consumed_samples
-
-    def __iter__(self) -> "MicroBatchIterator":
-        return self
-
-    def __next__(self) -> Dict[str, torch.Tensor]:
-        indices = next(self._indices)
-        self.consumed_samples += self._sampler.micro_batch_size * self._sampler.dp_size
-        return collate([self.dataset[i] for i in indices])
-
-
-def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                   num_workers: int = 0) -> Optional[Iterator[Dict[str, torch.Tensor]]]:
-    """Infinite iterator of this rank's micro-batches, resuming after `consumed_samples` global samples.
-
-    Returns None when `dataset` is None (ranks that build no data, e.g. middle pipeline stages), so callers can
-    pass the result along unconditionally. With num_workers > 0 a torch DataLoader prefetches in worker processes
-    (same order; the caller then counts consumed samples itself).
-    """
-    if dataset is None:
-        return None
-    sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
-    if num_workers and num_workers > 0:
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=int(num_workers),
-                                             collate_fn=collate, pin_memory=torch.cuda.is_available(),
-                                             persistent_workers=True)
-        return iter(loader)
-    return MicroBatchIterator(dataset, sampler)
+def check(args) -> None:
+    """Refuse data megatron-core would fail on with a traceback or an endless loop: missing or damaged prefixes,
+    a split that leaves a part without tokens, a cache directory it cannot write. Mock data needs no check."""
+    if args.mock_data or not args.data_path:
+        return
+    if args.data_cache_path:
+        _check_cache_dir(args.data_cache_path)
+    prefixes, _ = _split_blend_tokens(args.data_path)
+    infos = [inspect_prefix(p) for p in prefixes]
+    train_samples = 0 if args.skip_train else (args.train_iters or args.train_samples)
+    check_split(infos, args.split or "969,30,1", [train_samples, None, None])

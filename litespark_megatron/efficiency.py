@@ -15,10 +15,8 @@ failed. Every variant is validated in-process (config.resolve + config.validate)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import hashlib
-import io
 import json
 import math
 import os
@@ -34,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import config as config_lib
+from . import arguments
 from . import health as health_lib
-from .config import ConfigError, UserError
+from .arguments import ConfigError, UserError
 
 STATE_FILE = "suite_state.json"
 STATE_VERSION = 1
@@ -51,6 +49,13 @@ FINAL = ("done", "oom")  # outcomes a resumed suite keeps; anything else runs ag
 
 
 # --------------------------------------------------------------------------------------------- variants
+# The optimizer recipe every variant trains with unless the shared flags say otherwise (they come after it): peak
+# LR 3e-4 with cosine decay to 0, AdamW with weight decay 0.1 and beta2 0.95 (Megatron-LM's defaults otherwise:
+# beta1 0.9, clip 1.0). The suite's earlier tables were measured with exactly these settings.
+RECIPE = ["--lr", "3e-4", "--min-lr", "0", "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2",
+          "0.95"]
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -80,6 +85,16 @@ def _moe_flags(args, te: bool) -> list:
     return flags + (["--moe-grouped-gemm"] if te else [])
 
 
+def _mla_flags(args, te: bool) -> list:
+    """DeepSeek-V2(-Lite)'s proportions of the preset's head dim d: q/k and v head dims d, RoPE part d/2, KV latent
+    4d, no query compression, plain RoPE at the preset's base. Its latent RMSNorms need TE's norm+linear without
+    query compression (megatron-core), so they are on where TE runs the layer."""
+    d = args.hidden_size // args.num_attention_heads
+    flags = ["--multi-latent-attention", "--qk-head-dim", str(d), "--v-head-dim", str(d), "--qk-pos-emb-head-dim",
+             str(d // 2), "--kv-lora-rank", str(4 * d), "--rope-type", "rope"]
+    return flags + (["--qk-layernorm"] if te else [])
+
+
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("dense", "the base model (preset attention, dense SwiGLU MLP, RoPE, --precision)", lambda a, te: []),
     Variant("mha", "multi-head attention: one KV head per query head",
@@ -87,8 +102,8 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("gqa", "grouped-query attention (the preset's KV groups, or heads/4 for an MHA preset)",
             lambda a, te: ["--num-query-groups", str(_gqa_groups(a.num_attention_heads, a.num_query_groups))]),
     Variant("mqa", "multi-query attention: one KV head", lambda a, te: ["--num-query-groups", "1"]),
-    Variant("mla", "multi-latent attention (DeepSeek-V2 proportions of the head dim)",
-            lambda a, te: ["--multi-latent-attention"]),
+    Variant("mla", "multi-latent attention (DeepSeek-V2 proportions of the head dim; latent norms with TE)",
+            lambda a, te: _mla_flags(a, te)),
     Variant("moe", "mixture of experts: 8 experts of the dense FFN size, top-2, aux loss 0.01", _moe_flags),
     Variant("nope", "no positional encoding (NoPE)", lambda a, te: ["--position-embedding-type", "none"]),
     Variant("bf16", "BF16 parameters and compute", lambda a, te: [], precision="bf16"),
@@ -140,9 +155,16 @@ class Settings:
                     mock_data=self.mock_data, shared=self.shared, variant_flags=self.variant_flags)
 
     def base_flags(self) -> List[str]:
+        # Validation once, after training (megatron.training's final evaluation), on --eval-iters batches.
         flags = ["--model", self.model, "--train-iters", str(self.train_iters), "--log-interval",
-                 str(self.log_interval), "--eval-iters", str(self.eval_iters)]
-        return flags + (["--mock-data"] if self.mock_data and "--mock-data" not in self.shared else []) + self.shared
+                 str(self.log_interval), "--eval-iters", str(self.eval_iters), "--eval-interval", str(10 ** 9),
+                 *RECIPE]
+        named = {"--mock-data", "--data-path", "--embedded-corpus"} & {f.split("=", 1)[0] for f in self.shared}
+        if self.mock_data and "--mock-data" not in named:
+            flags.append("--mock-data")
+        elif not named:
+            flags += ["--embedded-corpus", "stdlib"]  # the suite's default data, which every machine has
+        return flags + self.shared
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -156,7 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "every litespark-train run (layout, batch, learning rate, data).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="directory for runs, state, table, JSON, CSV, plots and tb/")
-    p.add_argument("--model", default="eff-0.5b", help="base preset: " + ", ".join(config_lib.PRESETS))
+    p.add_argument("--model", default="eff-0.5b", help="base preset: " + ", ".join(arguments.PRESETS))
     p.add_argument("--variants", default="all", help="comma list of: " + ", ".join(VARIANTS) + "; or all")
     p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                    help="precision of the non-precision variants")
@@ -202,8 +224,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         if key in RESERVED_FLAGS:
             raise UserError(f"{key} is set by the suite (per variant, or by its own --precision/--train-iters/"
                             f"--log-interval/--eval-iters options): leave it out of the litespark-train flags")
-    if ns.model not in config_lib.PRESETS:
-        raise UserError(f"unknown model preset '{ns.model}'; choose one of: {', '.join(config_lib.PRESETS)}")
+    if ns.model not in arguments.PRESETS:
+        raise UserError(f"unknown --model '{ns.model}'; choose one of: {', '.join(arguments.PRESETS)}")
     return Settings(out=Path(ns.out), model=ns.model, variants=names, precision=ns.precision,
                     train_iters=ns.train_iters, log_interval=ns.log_interval, eval_iters=ns.eval_iters,
                     nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
@@ -212,37 +234,24 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
 
 # --------------------------------------------------------------------------------------------- validation
-def _resolve_quietly(argv: List[str]):
-    """config.resolve, with argparse's usage block reduced to its one error line."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return config_lib.resolve(argv)
-    except SystemExit:
-        lines = [l for l in err.getvalue().splitlines() if "error:" in l]
-        raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "invalid litespark-train flags") \
-            from None
-
-
 def plan(settings: Settings, plat) -> Dict[str, dict]:
     """Each requested variant's litespark-train flags and resolved configuration, validated for this machine and
     --nproc. Raises UserError listing every variant that cannot run (nothing has run yet)."""
-    cuda = plat.device_type == "cuda"
-    base = _resolve_quietly(settings.base_flags() + PRECISIONS[settings.precision])
-    config_lib.validate(base, settings.nproc, cuda=cuda, te=plat.te, fp8_capable=plat.fp8_capable)
-    te = config_lib.resolved_backend(base, cuda=cuda, te=plat.te) == "te"
+    base = arguments.resolve_quietly(settings.base_flags() + PRECISIONS[settings.precision], plat)
+    arguments.check_run(base, plat, settings.nproc)
+    te = base.transformer_impl == "transformer_engine"
     planned, problems = {}, []
     for name in settings.variants:
         variant = VARIANTS[name]
         try:
             flags = settings.base_flags() + PRECISIONS[variant.precision or settings.precision] + \
                 variant.flags(base, te) + settings.variant_flags.get(name, [])
-            args = _resolve_quietly(flags)
-            config_lib.validate(args, settings.nproc, cuda=cuda, te=plat.te, fp8_capable=plat.fp8_capable)
+            args = arguments.resolve_quietly(flags, plat)
+            arguments.check_run(args, plat, settings.nproc)
         except UserError as e:
             problems.append(f"variant '{name}' cannot run here: {e}")
             continue
-        resolved = {k: v for k, v in sorted(vars(args).items()) if k != "preset_fields"}
+        resolved = dict(sorted(vars(args).items()))
         key = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
         planned[name] = dict(flags=flags, key=key, args=args)
     if problems:
@@ -436,18 +445,12 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     return out
 
 
-def _params_of(args, run_config: Optional[Path] = None) -> dict:
-    """Total and active (MoE: top-k experts) parameters of the whole model, counted from its shape. The vocabulary
-    is the run's own when its resolved config.yaml exists (it follows the data's tokenizer unless given)."""
+def _params_of(args) -> dict:
+    """Total and active (MoE: top-k experts) parameters of the whole model, counted from its shape with the
+    vocabulary megatron.training builds for it (its tokenizer's: the corpus's, not the preset's)."""
     from .metrics.flops import ModelShape, param_count
 
-    vocab = args.vocab_size
-    if run_config is not None and run_config.exists():
-        import yaml
-
-        vocab = (yaml.safe_load(run_config.read_text()) or {}).get("vocab_size") or vocab
-    count = param_count(ModelShape.from_args(args, padded_vocab=config_lib.padded_vocab_size(
-        vocab, args.make_vocab_size_divisible_by)))
+    count = param_count(ModelShape.from_args(args, padded_vocab=arguments.model_vocab_size(args)))
     return dict(total=count.total, active=count.active)
 
 
@@ -479,10 +482,7 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
                    same_run_as=entry.get("same_as"), flags=" ".join(planned[name]["flags"]),
                    error=source_entry.get("error"))
         args = planned[name]["args"]
-        own = settings.out / "runs" / source / "tb" / "config.yaml"
-        # A variant not run yet takes the vocabulary of one that ran: all train on the same data and tokenizer.
-        ran = sorted((settings.out / "runs").glob("*/tb/config.yaml"))
-        counts = _params_of(args, own if own.exists() or not ran else ran[0])
+        counts = _params_of(args)
         metrics = settings.out / "runs" / source / "metrics.jsonl"
         if row["status"] == "done" and metrics.exists():
             records = _records(metrics)

@@ -178,7 +178,8 @@ def rope_state(models, config, device_type: str) -> str:
     """Which RoPE the model runs: 'te' (TE's fused kernel), 'compiled', 'unfused' or 'n/a' (no rotary embedding).
     megatron-core decides it from config.apply_rope_fusion; the Litespark attention adds a compiled kernel on GPUs
     without TE (layers/kernels.py)."""
-    if not any(getattr(m, "position_embedding_type", None) in ("rope", "mrope", "yarn") for m in models):
+    kinds = {getattr(m, "position_embedding_type", None) for model in models for m in model.modules()}
+    if not kinds & {"rope", "mrope", "yarn"}:
         return "n/a"
     if getattr(config, "apply_rope_fusion", False):
         return "te"

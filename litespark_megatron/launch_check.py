@@ -6,8 +6,8 @@ node that is wrong, with one line that says what to change.
 
     python -m litespark_megatron.launch_check layout --nnodes N --nproc-per-node auto|P -- TRAIN_ARGS...
         Resolves the processes per node (every visible GPU, or one process on a CPU-only node), checks them against
-        the visible GPUs, then checks the training arguments (`config.resolve` + `config.validate`, the trainer's
-        own checks) for the world size NNODES x P that the launcher will start. Prints one line for the launcher,
+        the visible GPUs, then checks the training arguments (the trainer's own checks: arguments.check and
+        Megatron-LM's validation) for the world size NNODES x P that the launcher will start. Prints one line for the launcher,
         `NPROC DEVICE ARCH TP PP CP` (ARCH: the GPU's compute capability major, 0 on CPU), also when a check
         fails, so that the launcher can still record the command it resolved.
 
@@ -59,22 +59,32 @@ def _nproc(requested: str, device: str, gpus: int) -> int:
 def check_layout(nnodes: int, nproc: int, device: str, gpus: int, train_args: Sequence[str], *,
                  te: bool, fp8_capable: bool, assumed: bool = False):
     """Raise LaunchError (or the trainer's ConfigError) for a launch that cannot run; return the resolved args."""
-    from . import config
+    from . import arguments
+    from .platform import Platform
 
     if device == "cuda" and not assumed and nproc > gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise LaunchError(f"GPUS_PER_NODE={nproc} but this node sees {gpus} GPU(s){where}: lower GPUS_PER_NODE, "
                           "or leave it unset to start one process per visible GPU")
-    args = config.resolve(list(train_args))
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     world = nnodes * nproc
+    plat = Platform(device, "nccl" if device == "cuda" else "gloo", te, fp8_capable, device)
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)  # what Megatron-LM's argument parsing reads the world size from
+    try:
+        args = arguments.resolve_quietly(list(train_args), plat)
+    finally:  # a caller in the same process (a tool, a test) keeps its own environment
+        if saved is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if min(tp, pp, cp) >= 1 and world % (tp * pp * cp):
         raise LaunchError(
             f"NNODES x GPUS_PER_NODE = {nnodes} x {nproc} = {world} processes is not divisible by TP x PP x CP = "
             f"{tp} x {pp} x {cp} = {tp * pp * cp} (from the training arguments): choose GPUS_PER_NODE and NNODES "
             f"whose product is a multiple of {tp * pp * cp}, or change the parallel layout")
-    config.validate(args, world, cuda=device == "cuda", te=te, fp8_capable=fp8_capable)
+    arguments.check_run(args, plat, world)
     return args
 
 
@@ -92,7 +102,7 @@ def layout_main(opts, train_args: List[str]) -> int:
         except ImportError as e:
             return _fail(opts.prog, f"cannot import {e.name or e} with {sys.executable}: set PYTHON to the "
                                     "interpreter where litespark-megatron is installed (pip install -e .)")
-    from .config import UserError
+    from .arguments import UserError
 
     try:
         nproc = _nproc(opts.nproc_per_node, device, gpus)

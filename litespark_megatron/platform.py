@@ -1,26 +1,36 @@
-"""Where the job runs: CUDA + NCCL when GPUs exist, else CPU + gloo; process groups and seeds.
+"""Where a run goes: CUDA + NCCL when GPUs exist, else CPU + gloo; and the only module that patches a library.
 
-This is the only module that knows megatron-core 0.16.1 assumes CUDA. On a CPU-only torch build, `apply_cpu_shims()`
-patches seven such assumptions (each documented with the exact failure it fixes, each tested by a test that
-reproduces the failure with that one shim left out). The shims are idempotent and never applied when CUDA exists.
-Set `LITESPARK_CPU_SHIMS=none` (or a comma list such as `dev,rng`) to choose which are applied.
+megatron.training (megatron-core 0.19.2) is the trainer. It assumes CUDA throughout; on a CPU-only torch,
+`apply_cpu_shims()` maps those assumptions to the CPU, one shim per assumption, each documented with the megatron
+function it serves and the failure it fixes, and each tested by reproducing that failure without it
+(tests/test_platform.py). They are applied only where torch has no CUDA, never on a GPU machine.
+`LITESPARK_CPU_SHIMS=none|all|name,name` selects them.
+
+Three library gaps hit any machine and are closed by `prepare_libraries()`:
+- `helpers`: megatron.training's initialize compiles the dataset helpers with `make` in the installed package,
+  but the wheel ships them compiled and no Makefile, so rank 0 exits 1 before training. The shipped helpers are
+  imported instead (a clear error if they are missing).
+- `distopt`: resuming megatron-core's distributed optimizer fails with fp32 parameters (its loader copies into
+  views of the model's parameters with autograd on: `_load_optimizer_shards_without_autograd`) and, without
+  Apex and TE, on torch's Adam (an assert before the first step, then a wrong step count:
+  `_resume_distributed_optimizer_on_torch_adam`).
+- `wgrad`: megatron-core's own linears (the output layer; every linear of the local backends) fuse weight-gradient
+  accumulation only with Apex's `fused_weight_gradient_mlp_cuda`; without Apex, Transformer Engine's GEMM provides
+  the same two functions (`provide_wgrad_accumulation_kernel`).
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import os
-import random
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-ALL_SHIMS = ("dev", "rng", "misc", "mode", "spnorm", "optckpt", "moe")
-_applied: set = set()
+# Versions the shims were written against: a test fails when the installed ones differ.
+MEGATRON_CORE_VERSION = "0.19.2"
 
 
 # --------------------------------------------------------------------------------------------- detection
@@ -43,6 +53,7 @@ def te_importable() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def detect() -> Platform:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -50,11 +61,192 @@ def detect() -> Platform:
     return Platform("cpu", "gloo", False, False, "cpu")
 
 
+def current_device() -> torch.device:
+    """This rank's device: its GPU (set by megatron's initialize from LOCAL_RANK), or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------- every machine
+def _use_shipped_dataset_helpers() -> None:
+    """megatron.training.initialize._compile_dependencies -> megatron.core.datasets.utils.compile_helpers runs
+    `make` in the installed package: the wheel has no Makefile (it ships helpers_cpp compiled), so make fails and
+    compile_helpers calls sys.exit(1) on rank 0 of every job. Import the shipped module instead."""
+    from megatron.core.datasets import utils
+
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"megatron-core's compiled dataset helpers (helpers_cpp) do not import ({e}): "
+                               "reinstall megatron-core from a wheel built for this Python") from None
+
+    utils.compile_helpers = compile_helpers
+
+
+def _resume_distributed_optimizer_on_torch_adam() -> None:
+    """Without Apex and TE, megatron-core's DistributedOptimizer wraps torch's Adam, whose step count is a 0-dim
+    tensor per parameter (Apex's and TE's keep it per param group). Resuming it fails three ways in 0.19.2:
+    - state_dict() takes 'step' from that per-parameter state and asserts it holds one value; load_checkpoint
+      asks for it before the first step, when the state is empty (bare `assert len(steps) == 1`): it is 0 there.
+    - load_state_dict() puts ONE step tensor into every parameter's state; torch's Adam increments each
+      parameter's step in place, so after a resume it advances by the number of parameters per step (bias
+      correction off, losses diverge from the uninterrupted run).
+    - the dp_reshardable loader copies every state tensor from the checkpoint, 'step' included, though that
+      format does not save 'step' (it comes from the param groups): the pre-load placeholder, 0, overwrites the
+      restored count.
+    Each is fixed where it happens; the DP resume test is bit-exact only with all three."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(cls.state_dict, "_litespark", False):
+        return
+    original_state_dict, original_load = cls.state_dict, cls.load_state_dict
+    original_set = cls._set_main_param_and_optimizer_states
+
+    def state_dict(self):
+        if len(self.optimizer.state) > 0:
+            return original_state_dict(self)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self.optimizer.state[p]["step"] = torch.tensor(0.0)
+        try:
+            return original_state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        return original_set(self, model_param, {**tensors, "step": None})  # None: not a tensor, not copied
+
+    state_dict._litespark = True
+    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _load_optimizer_shards_without_autograd() -> None:
+    """DistributedOptimizer.load_parameter_state_from_dp_reshardable (the format megatron.training saves by
+    default) copies into the main parameters outside no_grad; with fp32 training those are views of the model's
+    leaf parameters, and the copy raises 'a view of a leaf Variable that requires grad is being used in an
+    in-place operation'. Its sibling loaders carry @torch.no_grad(); this one gets it too."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls.load_parameter_state_from_dp_reshardable
+    if getattr(original, "_litespark", False):
+        return
+    wrapped = torch.no_grad()(original)
+    wrapped._litespark = True
+    cls.load_parameter_state_from_dp_reshardable = wrapped
+
+
+class _TEWgradAccumulation:
+    """Apex's `fused_weight_gradient_mlp_cuda` API on Transformer Engine's GEMM: main_grad += dY^T X, accumulated
+    by the GEMM itself in main_grad's dtype (what Apex's kernel and TE's own linears do), with no bf16 weight
+    gradient written and added afterwards."""
+
+    @staticmethod
+    def _accumulate(total_input, grad_output, main_grad):
+        gemm, extra = _te_general_gemm()
+        # TE's wgrad convention (its Linear's backward): A = input [tokens, in], B = grad [tokens, out], "NT".
+        gemm(total_input, grad_output, out_dtype=main_grad.dtype, layout="NT", grad=True, accumulate=True,
+             out=main_grad, **extra())
+
+    wgrad_gemm_accum_fp32 = _accumulate
+    wgrad_gemm_accum_fp16 = _accumulate
+
+
+@functools.lru_cache(maxsize=None)
+def _te_general_gemm():
+    """TE's general_gemm and a function giving its version-specific extra keywords: older TE releases take a cuBLAS
+    workspace from their module base, newer ones (2.20) manage their own."""
+    import inspect
+
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+    if "workspace" in inspect.signature(general_gemm).parameters:
+        from transformer_engine.pytorch.module.base import get_workspace
+
+        return general_gemm, lambda: {"workspace": get_workspace()}
+    return general_gemm, dict
+
+
+def provide_wgrad_accumulation_kernel() -> Optional[str]:
+    """Make megatron-core's own linears accumulate weight gradients into main_grad inside the GEMM, as TE's linears
+    do. megatron-core takes that kernel only from Apex's `fused_weight_gradient_mlp_cuda` and refuses
+    `gradient_accumulation_fusion` without it; where Apex is absent and Transformer Engine is installed, TE's GEMM
+    provides the same two functions. Returns which kernel serves: "apex", "te", or None (neither: the fusion cannot
+    run here)."""
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "fused_weight_gradient_mlp_cuda", None) is _TEWgradAccumulation:
+        return "te"
+    if layers._grad_accum_fusion_available:
+        return "apex"
+    if not te_importable():
+        return None
+    layers.fused_weight_gradient_mlp_cuda = _TEWgradAccumulation
+    layers._grad_accum_fusion_available = True
+    return "te"
+
+
+def single_process_defaults() -> None:
+    """Started without torchrun (`python -m litespark_megatron ...`): one process, a free local port; what
+    torchrun would have put in the environment for megatron.training's env:// rendezvous."""
+    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, default)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def prepare_libraries() -> Platform:
+    """Everything a run needs patched before megatron.training starts, on this machine. Idempotent."""
+    single_process_defaults()
+    plat = detect()
+    _use_shipped_dataset_helpers()
+    _resume_distributed_optimizer_on_torch_adam()
+    _load_optimizer_shards_without_autograd()
+    if plat.device_type == "cpu":
+        apply_cpu_shims()
+    else:
+        provide_wgrad_accumulation_kernel()
+    return plat
+
+
 # --------------------------------------------------------------------------------------------- CPU shims
+def _shim_init():
+    """megatron.training.training.pretrain calls initialize_megatron() without allow_no_cuda, which asserts
+    'Megatron requires CUDA.'. Pass allow_no_cuda=True."""
+    from megatron.training import training
+
+    original = training.initialize_megatron
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    training.initialize_megatron = initialize_megatron
+
+
 def _shim_dev():
-    """`torch.cuda.current_device()` raises 'Torch not compiled with CUDA enabled' and megatron-core calls it in
-    every forward (RoPE, TP gather/scatter buffers, VocabParallelEmbedding, SP all-gather, p2p buffers). Returning
-    "cpu" makes `torch.empty(..., device=torch.cuda.current_device())` allocate on the CPU."""
+    """megatron.training.initialize._initialize_distributed builds the model-parallel groups, and _set_random_seed
+    seeds the model-parallel RNG tracker, only `if torch.cuda.device_count() > 0`: on the CPU there would be no
+    TP/PP groups at all ('parallel state is not initialized'). The CPU is the one device: count 1, `set_device` a
+    no-op, and `current_device()` "cpu" so that megatron-core's `torch.empty(..., device=current_device())` buffers
+    (RoPE, TP/SP gathers, p2p) land on the CPU ('Torch not compiled with CUDA enabled')."""
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
 
 
@@ -92,10 +284,9 @@ def _cpu_rng_tracker_class():
 
 
 def _shim_rng():
-    """`model_parallel_cuda_manual_seed` stores CUDA generator states (`torch.cuda.get_rng_state()` raises on a
-    CPU build), and DotProductAttention always forks the 'model-parallel-rng' stream, so without a tracker the
-    first forward fails with 'cuda rng state model-parallel-rng is not added'. Use a tracker over the CPU
-    generator; activation recompute saves/restores the "cuda" state through the two helpers patched last."""
+    """megatron-core's model-parallel RNG tracker (tensor_parallel.random: model_parallel_cuda_manual_seed, the
+    dropout and recompute forks) and the rerun state machine (_save_state / _restore_state, every step) keep CUDA
+    generator states: 'Found no NVIDIA driver'. Keep them on the CPU generator."""
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker = _cpu_rng_tracker_class()
@@ -103,12 +294,16 @@ def _shim_rng():
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
 def _shim_misc():
-    """`torch.cuda.synchronize()` raises on a CPU build; megatron calls it in timers, p2p and process-group
-    set-up. There is nothing to wait for on the CPU."""
+    """`torch.cuda.synchronize()` (timers, p2p, checkpointing) and the memory counters megatron.training reports
+    (training_log's report_memory) raise on a CPU build. Nothing to wait for; no GPU memory in use."""
     torch.cuda.synchronize = lambda *a, **k: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *a, **k: 0)
 
 
 def _is_cuda(device) -> bool:
@@ -122,10 +317,11 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """megatron-core hard-codes CUDA in places a monkeypatch cannot reach: `device="cuda"` literals (the default
-    causal mask, the optimizer's found-inf and loss-scale tensors, grad clipping, the schedules' token counter,
-    dist_checkpointing), `.cuda()`, `pin_memory`, `record_stream`, and `param.type() == 'torch.cuda.FloatTensor'`
-    checks in the optimizers and clip_grads. This mode rewrites those calls to their CPU meaning."""
+    """megatron hard-codes CUDA in places a monkeypatch cannot reach: `device="cuda"` literals (pretrain's start
+    time all-reduce, training_log's loss accumulators, the optimizer's found-inf and loss-scale tensors, grad
+    clipping, the schedules' token counter, dist_checkpointing), `.cuda()` (the batch), `pin_memory`,
+    `record_stream`, and `param.type() == 'torch.cuda.FloatTensor'` checks in the optimizers and clip_grads. This
+    mode rewrites those calls to their CPU meaning."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs) if kwargs else {}
@@ -150,56 +346,13 @@ def _shim_mode():
     CudaToCpuMode().__enter__()
 
 
-def _shim_spnorm():
-    """Without Apex/TE the local spec's norm is WrappedTorchNorm, which asserts 'sequence parallel not supported
-    by torch LayerNorm'. A norm needs nothing from SP except that its weights are tagged `sequence_parallel` so
-    finalize_model_grads all-reduces their partial grads over TP (what FusedLayerNorm and TENorm do)."""
-    from megatron.core.transformer import torch_norm
-
-    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-                normalization="LayerNorm"):
-        norm_class = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
-        norm = norm_class(hidden_size, eps=eps)
-        for p in norm.parameters():
-            p.sequence_parallel = bool(config.sequence_parallel)
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = __new__
-
-
-def _shim_optckpt():
-    """DistributedOptimizer resume with torch's AdamW (the fallback without TE/Apex) is silently wrong:
-    `load_state_dict` gives every parameter ONE shared 'step' tensor that AdamW then increments once per
-    parameter, and `_set_main_param_and_optimizer_states` copies 'step' from the loaded tensors (a template value
-    with dp_reshardable, a KeyError with fully_reshardable) outside no_grad. Give each parameter its own step,
-    never take it from the tensors, and copy under no_grad."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    original = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        state = self.optimizer.state[main_param]
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-        with torch.no_grad():
-            for key, dst in {"param": main_param, **state}.items():
-                if key != "step" and key in tensors:
-                    dst.copy_(tensors[key])
-
-    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = \
-        _set_main_param_and_optimizer_states
-
-
 class _NoEvent:
     def __init__(self, *a, **k): pass
     def record(self, *a, **k): pass
     def synchronize(self): pass
     def wait(self, *a, **k): pass
     def query(self): return True
+    def elapsed_time(self, other): return 0.0
 
 
 class _NoStream:
@@ -211,15 +364,38 @@ class _NoStream:
     def query(self): return True
 
 
-def _shim_moe():
-    """MoE layers on CPU: the alltoall dispatcher and shared experts create `torch.cuda.Stream()` ('requires CUDA
-    support'); moe_utils references `te_general_gemm`, defined only when TE imports (NameError); and the alltoall
-    dispatcher converts split sizes to numpy only for CUDA tensors, so gloo's all_to_all_single gets tensors
-    ('incompatible function arguments')."""
+def _shim_streams():
+    """CUDA streams and events: megatron-core's MoE dispatchers and shared experts create `torch.cuda.Stream()`
+    ('requires CUDA support'); the distributed optimizer and CP use events. On the CPU everything is in order."""
     torch.cuda.Stream = _NoStream
     torch.cuda.Event = _NoEvent
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
+
+
+def _shim_spnorm():
+    """Without Apex/TE the stock local spec's norm is WrappedTorchNorm, which asserts 'sequence parallel not
+    supported by torch LayerNorm'. A norm needs nothing from SP except that its weights are tagged
+    `sequence_parallel` so finalize_model_grads all-reduces their partial grads over TP (what TENorm does)."""
+    from megatron.core.transformer import torch_norm
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+        if config.layernorm_zero_centered_gamma:  # what megatron-core's own __new__ refuses, refused alike
+            raise ValueError("zero_centered_gamma not supported by torch LayerNorm")
+        norm_class = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_class(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _shim_moe():
+    """MoE on the CPU: moe_utils references `te_general_gemm`, defined only when TE imports (NameError); and the
+    alltoall dispatcher converts split sizes to numpy only for CUDA tensors, so gloo's all_to_all_single gets
+    tensors ('incompatible function arguments')."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -235,8 +411,20 @@ def _shim_moe():
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
-_SHIMS = {"dev": _shim_dev, "rng": _shim_rng, "misc": _shim_misc, "mode": _shim_mode, "spnorm": _shim_spnorm,
-          "optckpt": _shim_optckpt, "moe": _shim_moe}
+def _shim_arch():
+    """megatron.training.arguments.validate_args reads the GPU's architecture when TP or CP > 1
+    (get_device_arch_version: 'Found no NVIDIA driver'), then asserts CUDA_DEVICE_MAX_CONNECTIONS=1, which orders
+    the communication kernels of a GPU. The CPU has no architecture and no kernels to order."""
+    from megatron.training import arguments
+
+    arguments.get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+_SHIMS = {"init": _shim_init, "arch": _shim_arch, "dev": _shim_dev, "rng": _shim_rng, "misc": _shim_misc, "mode": _shim_mode,
+          "streams": _shim_streams, "spnorm": _shim_spnorm, "moe": _shim_moe}
+ALL_SHIMS = tuple(_SHIMS)
+_applied: set = set()
 
 
 def wanted_shims() -> tuple:
@@ -278,140 +466,3 @@ def quiet_library_noise() -> None:
             return "Unknown MLP type" not in record.getMessage()
 
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_DropUnknownMLP())
-
-
-def patch_mla_without_te() -> bool:
-    """Without Transformer Engine (CPU, or a GPU machine without it) megatron-core 0.16.1 cannot build its MLA
-    attention with any modules: `megatron.core.extensions.transformer_engine` defines the TE classes over a
-    MagicMock, so the MLA module's `from ... import TELinear` succeeds and sets its HAVE_TE = True, and
-    `isinstance(self.linear_proj, TELinear)` then raises 'isinstance() arg 2 must be a type'. Tell the MLA module
-    that TE is absent, which is true. A no-op (returns False) when TE's classes are real types."""
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if not mla.HAVE_TE or isinstance(mla.TELinear, type):
-        return False
-    mla.HAVE_TE = False
-    return True
-
-
-class _TEWgradAccumulation:
-    """Apex's `fused_weight_gradient_mlp_cuda` API on Transformer Engine's GEMM: main_grad += dY^T X, accumulated
-    by the GEMM itself in main_grad's dtype (what Apex's kernel and TE's own linears do), with no bf16 weight
-    gradient written and added afterwards."""
-
-    @staticmethod
-    def _accumulate(total_input, grad_output, main_grad):
-        gemm, extra = _te_general_gemm()
-        # TE's wgrad convention (its Linear's backward): A = input [tokens, in], B = grad [tokens, out], "NT".
-        gemm(total_input, grad_output, out_dtype=main_grad.dtype, layout="NT", grad=True, accumulate=True,
-             out=main_grad, **extra())
-
-    wgrad_gemm_accum_fp32 = _accumulate
-    wgrad_gemm_accum_fp16 = _accumulate
-
-
-@functools.lru_cache(maxsize=None)
-def _te_general_gemm():
-    """TE's general_gemm and a function giving its version-specific extra keywords: older TE releases take a cuBLAS
-    workspace from their module base, newer ones (2.20) manage their own."""
-    import inspect
-
-    from transformer_engine.pytorch.cpp_extensions import general_gemm
-
-    if "workspace" in inspect.signature(general_gemm).parameters:
-        from transformer_engine.pytorch.module.base import get_workspace
-
-        return general_gemm, lambda: {"workspace": get_workspace()}
-    return general_gemm, dict
-
-
-def provide_wgrad_accumulation_kernel() -> Optional[str]:
-    """Make megatron-core's own linears (the output layer; every linear of the local backends) accumulate weight
-    gradients into main_grad inside the GEMM, as TE's linears do. megatron-core takes that kernel only from Apex's
-    `fused_weight_gradient_mlp_cuda` and refuses `gradient_accumulation_fusion` without it; where Apex is absent
-    and Transformer Engine is installed, TE's GEMM provides the same two functions. Returns which kernel serves:
-    "apex", "te", or None (neither: the fusion cannot run here)."""
-    from megatron.core.tensor_parallel import layers
-
-    if getattr(layers, "fused_weight_gradient_mlp_cuda", None) is _TEWgradAccumulation:
-        return "te"
-    if layers._grad_accum_fusion_available:
-        return "apex"
-    if not te_importable():
-        return None
-    layers.fused_weight_gradient_mlp_cuda = _TEWgradAccumulation
-    layers._grad_accum_fusion_available = True
-    return "te"
-
-
-# --------------------------------------------------------------------------------------------- process groups
-def init_distributed(args, platform: Optional[Platform] = None) -> Platform:
-    """Start torch.distributed (torchrun's env, or a single process), megatron's parallel_state and the seeds."""
-    platform = platform or detect()
-    if platform.device_type == "cpu":
-        apply_cpu_shims()
-    patch_mla_without_te()
-    backend = platform.dist_backend if args.distributed_backend == "auto" else args.distributed_backend
-    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, default)
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-    if platform.device_type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
-
-    from megatron.core import parallel_state
-
-    from .config import virtual_pipeline_size
-
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
-        context_parallel_size=args.context_parallel_size,
-        # Experts are spread over ranks taken from the data-parallel ones (expert tensor parallelism = TP).
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-        # megatron's optimizers use gloo groups for CPU-side state exchange (as Megatron-LM does by default).
-        create_gloo_process_groups=True,
-    )
-    set_seeds(args.seed, platform)
-    return platform
-
-
-def set_seeds(seed: int, platform: Platform) -> None:
-    """Python, numpy and torch get `seed` + the pipeline rank (as Megatron-LM does); megatron's tracker gets the
-    model-parallel streams. Data-parallel replicas share seeds: dropout is then identical across DP ranks."""
-    import numpy as np
-    from megatron.core import parallel_state, tensor_parallel
-
-    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-
-
-def shutdown() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def current_device() -> torch.device:
-    """This rank's device: its GPU (set by init_distributed from LOCAL_RANK), or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

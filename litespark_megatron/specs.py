@@ -1,12 +1,14 @@
-"""Layer specs: a transformer layer as data (Megatron-Core ModuleSpec trees), chosen by name.
+"""Layer specs: a transformer layer as data (Megatron-Core ModuleSpec trees).
 
-- `litespark` (backends `local` and `te`): the project's attention and MLP (layers/) in a TransformerLayer.
-- `stock-te`, `stock-local`: megatron-core's own GPT layer specs, for comparison.
+`litespark_layer_spec` is what Megatron-LM's `--spec litespark_megatron.specs litespark_layer_spec` (or
+litespark-train's `--spec litespark`) builds: the project's attention and MLP (layers/) in megatron-core's
+TransformerLayer, on Transformer Engine modules (`--transformer-impl transformer_engine`) or megatron-core's
+local ones (`--transformer-impl local`, runs anywhere, CPUs included). `--spec stock` is megatron-core's own layer.
 
 Checkpoint keys. Litespark-local and stock-local have identical state-dict keys. The te backend (both specs) fuses
 the pre-norms into the next GEMM, so its norm weights live at `self_attention.linear_qkv.layer_norm_weight` and
 `mlp.linear_fc1.layer_norm_weight` instead of `input_layernorm.weight` and `pre_mlp_layernorm.weight`; the local
-specs declare that map (`sharded_state_dict_keys_map`), so dist_checkpointing checkpoints load across all four.
+spec declares that map (`sharded_state_dict_keys_map`), so dist_checkpointing checkpoints load across all of them.
 With MLA the fused norms are the latent norms (`self_attention.q_layernorm` / `kv_layernorm` ->
 `linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`); MLA's input norm and an MoE layer's pre-MLP norm
 are separate modules on every backend.
@@ -21,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from .config import ConfigError, SPECS
+from .arguments import ConfigError
 
 LOCAL_TO_TE_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -34,18 +36,22 @@ MLA_LOCAL_TO_TE_KEYS = {
 }
 
 
-def _keys_map(multi_latent_attention: bool, moe: bool) -> dict:
+def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = False) -> dict:
     """Local-backend keys -> te-backend keys, for the norms the te backend fuses in this architecture. MLA's
-    input norm and an MoE layer's pre-MLP norm stay separate modules on te too (nothing to fuse them into)."""
-    keys = dict(MLA_LOCAL_TO_TE_KEYS) if multi_latent_attention else \
-        {"input_layernorm.": LOCAL_TO_TE_KEYS["input_layernorm."]}
+    input norm and an MoE layer's pre-MLP norm stay separate modules on te too (nothing to fuse them into); MLA's
+    latent norms exist only with qk_layernorm."""
+    if multi_latent_attention:
+        keys = dict(MLA_LOCAL_TO_TE_KEYS) if qk_layernorm else {}
+    else:
+        keys = {"input_layernorm.": LOCAL_TO_TE_KEYS["input_layernorm."]}
     if not moe:
         keys["pre_mlp_layernorm."] = LOCAL_TO_TE_KEYS["pre_mlp_layernorm."]
     return keys
 
 
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
-                             num_experts: Optional[int] = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
+                             num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                             q_lora_rank: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     Core attention is torch's scaled_dot_product_attention (LitesparkCoreAttention) on both backends: on Hopper it
@@ -54,7 +60,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     Under context parallelism it all-gathers keys and values over the CP group (see layers/attention.py).
 
     Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention
-    with Litespark core attention and RMSNorm latent norms (local) / TE modules (te). MLP: the Litespark SwiGLU MLP,
+    with Litespark core attention and, with qk_layernorm (--qk-layernorm, as DeepSeek), RMSNorm latent norms (local)
+    or TE's norm+linear up projections (te), as megatron-core's own MLA specs. MLP: the Litespark SwiGLU MLP,
     or (num_experts) megatron-core's MoELayer, whose experts are megatron-core SwiGLU MLPs made of the same
     linears (local: SequentialMLP; te: TEGroupedMLP with moe_grouped_gemm, else SequentialMLP of TE linears).
     """
@@ -77,30 +84,30 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         qkv = fc1 = TELayerNormColumnParallelLinear
         proj = fc2 = TERowParallelLinear
         # MLA: the down projections are replicated (TE 'duplicated'); the up projections carry the latent norms.
+        up_proj = TELayerNormColumnParallelLinear if qk_layernorm else TEColumnParallelLinear
         mla_linears = dict(linear_q_proj=TEColumnParallelLinear, linear_q_down_proj=TELinear,
-                           linear_q_up_proj=TELayerNormColumnParallelLinear, linear_kv_down_proj=TELinear,
-                           linear_kv_up_proj=TELayerNormColumnParallelLinear, q_layernorm=IdentityOp,
-                           kv_layernorm=IdentityOp)
+                           linear_q_up_proj=up_proj, linear_kv_down_proj=TELinear, linear_kv_up_proj=up_proj,
+                           q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
         provider = TESpecProvider()
         keys_map = {}
     elif backend == "local":
         from megatron.core.models.backends import LocalSpecProvider
-        from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         norm = fused_norm = LitesparkRMSNorm
         qkv = fc1 = ColumnParallelLinear
         proj = fc2 = RowParallelLinear
-        # The down projections are replicated across TP, as on te (megatron-core's plain-torch `Linear`, which
-        # MLASelfAttention accepts there). Its stock local spec makes them column-parallel and gathers their output,
-        # but then the gradient of the shared RoPE key (k_pos_emb), which every rank uses for its own heads, is
-        # split instead of summed over TP: TP2 trains a different model than TP1 (seen as a 1e-3 loss drift).
-        mla_linears = dict(linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ReplicatedLinear,
-                           linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ReplicatedLinear,
-                           linear_kv_up_proj=ColumnParallelLinear, q_layernorm=LitesparkRMSNorm,
-                           kv_layernorm=LitesparkRMSNorm)
+        # MLA's down projections: column-parallel, their outputs gathered by megatron-core (its local spec's choice;
+        # without TE, MLASelfAttention takes no replicated linear).
+        mla_linears = dict(linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                           linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                           linear_kv_up_proj=ColumnParallelLinear,
+                           # the query latent's norm exists only with query compression (megatron-core refuses one
+                           # that nothing would use)
+                           q_layernorm=LitesparkRMSNorm if qk_layernorm and q_lora_rank else IdentityOp,
+                           kv_layernorm=LitesparkRMSNorm if qk_layernorm else IdentityOp)
         provider = LocalSpecProvider()
-        keys_map = _keys_map(multi_latent_attention, bool(num_experts))
+        keys_map = _keys_map(multi_latent_attention, bool(num_experts), qk_layernorm)
     else:
         raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
 
@@ -136,45 +143,21 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     )
 
 
-def get_layer_spec(spec: str, backend: str, multi_latent_attention: bool = False, num_experts: Optional[int] = None,
-                   moe_grouped_gemm: bool = False) -> ModuleSpec:
-    """The layer spec named by --spec; `backend` ("te"/"local") applies to the litespark spec."""
-    arch = dict(multi_latent_attention=multi_latent_attention, num_experts=num_experts,
-                moe_grouped_gemm=moe_grouped_gemm)
-    if spec == "litespark":
-        return get_litespark_layer_spec(backend, **arch)
-    # The stock MLA layer normalizes its latents only with qk_layernorm (as DeepSeek-V2 does): turn it on for MLA.
-    if spec == "stock-te":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=multi_latent_attention, **arch)
-    if spec == "stock-local":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=multi_latent_attention, **arch)
-    raise ConfigError(f"unknown --spec '{spec}'; choose one of: {', '.join(SPECS)}")
-
-
-def final_norm(spec: str, backend: str):
-    """The norm after the last layer: each spec's own family of modules."""
-    if spec == "stock-te" or (spec == "litespark" and backend == "te"):
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        return TENorm
-    if spec == "litespark":
-        from .layers import LitesparkRMSNorm
-
-        return LitesparkRMSNorm
-    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
-
-    return LNImpl
-
-
-def block_spec(spec: str, backend: str, config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage (and virtual stage) builds, and the final norm."""
+def litespark_layer_spec(model_config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
+    megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
+    --transformer-impl."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    layer = get_layer_spec(spec, backend, multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)),
-                           num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm))
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm(spec, backend))
+    config = getattr(model_config, "transformer", model_config)
+    backend = "te" if config.transformer_impl == "transformer_engine" else "local"
+    layer = get_litespark_layer_spec(backend, multi_latent_attention=bool(config.multi_latent_attention),
+                                     num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
+                                     q_lora_rank=getattr(config, "q_lora_rank", None),
+                                     qk_layernorm=bool(config.qk_layernorm))
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        from .layers import LitesparkRMSNorm as final_norm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

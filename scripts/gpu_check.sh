@@ -39,7 +39,7 @@ if has tests; then
 fi
 
 TINY=(--model tiny --mock-data --seq-length 256 --vocab-size 4096 --micro-batch-size 4 --global-batch-size 16
-      --train-iters 30 --log-interval 10 --eval-iters 0 --lr 1e-3 --seed 5)
+      --train-iters 30 --log-interval 10 --eval-iters 0 --eval-interval 30 --lr 1e-3 --seed 5)
 results=()
 run() {  # name nproc flags...
   local name=$1 nproc=$2; shift 2
@@ -47,33 +47,33 @@ run() {  # name nproc flags...
   torchrun --standalone --nproc-per-node "$nproc" -m litespark_megatron "${TINY[@]}" "$@" >"$log" 2>&1
   local rc=$?
   [ "$rc" = 0 ] || failed=1
-  local line; line=$(grep -E "^step +30/30" "$log" | tail -1)
+  local line; line=$(grep -E "iteration +30/ +30 " "$log" | sed -E 's/.*(iteration)/\1/' | tail -1)
   results+=("$(printf '%-28s rc=%s  %s' "$name" "$rc" "${line:-$(grep -m1 -E 'Error|error' "$log")}")")
   # What ran (the trainer's first-step line); a fallback is shown, e.g. stock-local's unfused attention by design.
   results+=("$(printf '%-28s %s' '' "$(grep -m1 -E '^what ran:' "$log")")")
   grep -q "DEGRADED" "$log" && results+=("$(printf '%-28s %s' '' "$(grep -m1 DEGRADED "$log")")")
 }
 if has single; then
-  run litespark-te-bf16 1 --transformer-impl te --bf16
+  run litespark-te-bf16 1 --transformer-impl transformer_engine --bf16
   run litespark-local-bf16 1 --transformer-impl local --bf16
   run litespark-local-fp32 1 --transformer-impl local
   run stock-te-bf16 1 --spec stock-te --bf16
   run stock-local-bf16 1 --spec stock-local --bf16
-  run litespark-te-mla 1 --transformer-impl te --bf16 --multi-latent-attention
+  run litespark-te-mla 1 --transformer-impl transformer_engine --bf16 --multi-latent-attention
   if [ "$FP8" = 1 ]; then
-    run litespark-te-fp8 1 --transformer-impl te --bf16 --fp8-format hybrid --fp8-recipe delayed
-    run litespark-te-fp8-tensorwise 1 --transformer-impl te --bf16 --fp8-format e4m3 --fp8-recipe tensorwise
+    run litespark-te-fp8 1 --transformer-impl transformer_engine --bf16 --fp8-format hybrid --fp8-recipe delayed
+    run litespark-te-fp8-tensorwise 1 --transformer-impl transformer_engine --bf16 --fp8-format e4m3 --fp8-recipe tensorwise
   fi
 fi
 if has multi && [ "$NGPU" -ge 2 ]; then
-  run te-tp2 2 --transformer-impl te --bf16 --tensor-model-parallel-size 2
-  run te-tp2-sp 2 --transformer-impl te --bf16 --tensor-model-parallel-size 2 --sequence-parallel
-  run te-pp2 2 --transformer-impl te --bf16 --pipeline-model-parallel-size 2
-  run te-dp2-distopt 2 --transformer-impl te --bf16 --use-distributed-optimizer
-  run te-cp2 2 --transformer-impl te --bf16 --context-parallel-size 2
-  [ "$FP8" = 1 ] && run te-cp2-fp8 2 --transformer-impl te --bf16 --fp8-format hybrid --context-parallel-size 2
+  run te-tp2 2 --transformer-impl transformer_engine --bf16 --tensor-model-parallel-size 2
+  run te-tp2-sp 2 --transformer-impl transformer_engine --bf16 --tensor-model-parallel-size 2 --sequence-parallel
+  run te-pp2 2 --transformer-impl transformer_engine --bf16 --pipeline-model-parallel-size 2
+  run te-dp2-distopt 2 --transformer-impl transformer_engine --bf16 --use-distributed-optimizer
+  run te-cp2 2 --transformer-impl transformer_engine --bf16 --context-parallel-size 2
+  [ "$FP8" = 1 ] && run te-cp2-fp8 2 --transformer-impl transformer_engine --bf16 --fp8-format hybrid --context-parallel-size 2
   run stock-te-cp2 2 --spec stock-te --bf16 --context-parallel-size 2
-  run te-mla-cp2 2 --transformer-impl te --bf16 --multi-latent-attention --context-parallel-size 2
+  run te-mla-cp2 2 --transformer-impl transformer_engine --bf16 --multi-latent-attention --context-parallel-size 2
   run local-tp2-sp 2 --transformer-impl local --bf16 --tensor-model-parallel-size 2 --sequence-parallel
   run local-dp2 2 --transformer-impl local --bf16
   run local-cp2 2 --transformer-impl local --bf16 --context-parallel-size 2

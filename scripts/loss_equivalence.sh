@@ -20,7 +20,7 @@
 #                          (the first run starts alone and the others once it logged a step: the data's index cache)
 #   RUNS                   "name:flags;name:flags..."; the first is the reference. Default (GPU with TE):
 #                          stock-te-bf16:--spec stock-te --bf16;litespark-bf16:--spec litespark
-#                          --transformer-impl te --bf16;litespark-fp8:<the same> --fp8-format hybrid
+#                          --transformer-impl transformer_engine --bf16;litespark-fp8:<the same> --fp8-format hybrid
 #                          Add a noise floor to read the others against: the reference with other rounding only,
 #                          e.g. "stock-noise:--spec stock-te --bf16 --no-gradient-accumulation-fusion" (at small
 #                          batches two such runs can part by more than 1%:
@@ -50,7 +50,7 @@ TOLERANCE="${TOLERANCE:-0.01}"
 SMOOTH="${SMOOTH:-5}"
 START_STEP="${START_STEP:-20}"
 CONCURRENT="${CONCURRENT:-1}"
-TE="--spec litespark --transformer-impl te --bf16"
+TE="--spec litespark --transformer-impl transformer_engine --bf16"
 RUNS="${RUNS:-stock-te-bf16:--spec stock-te --bf16;litespark-bf16:$TE;litespark-fp8:$TE --fp8-format hybrid}"
 PY="${PYTHON:-python3}"
 if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
@@ -75,8 +75,11 @@ for entry in "${entries[@]}"; do
 done
 [ "${#names[@]}" -ge 2 ] || die "RUNS needs at least two runs (a reference first), got ${#names[@]}"
 
-# Logging every step keeps the curves comparable point by point; eval only at the end.
+# Logging every step keeps the curves comparable point by point; no evaluation. The optimizer recipe is the
+# efficiency suite's (peak 3e-4, cosine to 0, weight decay 0.1, beta2 0.95), with which the earlier curves were
+# measured; arguments win over it.
 COMMON=(--model "$MODEL" --train-iters "$STEPS" --lr-warmup-iters "$WARMUP" --log-interval 1 --eval-iters 0
+        --eval-interval "$STEPS" --lr 3e-4 --min-lr 0 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95
         --seed "${SEED:-1234}")
 mkdir -p "$OUT_DIR"
 dirs=()

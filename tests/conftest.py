@@ -20,8 +20,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What torchrun gives its ranks: a child of the test process is not one unless a test says so (an in-process call
+# that set one of these must not turn every later child into "rank 0 of 8").
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def child_env(**extra) -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
@@ -40,11 +45,37 @@ def torchrun(nproc: int, script, *script_args, timeout=300, env=None) -> subproc
     return run(cmd, timeout=timeout, env=env)
 
 
-def parity_losses(tmp_path, nproc: int, flags, steps: int = 3, env=None) -> dict:
-    out = tmp_path / f"losses_{free_port()}.json"
-    proc = torchrun(nproc, TESTS / "parity_worker.py", out, steps, "--", *flags, env=env)
-    assert proc.returncode == 0, f"worker failed ({flags}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+def train(nproc: int, *flags, timeout=300, env=None) -> subprocess.CompletedProcess:
+    """litespark-train in fresh processes: `python -m litespark_megatron` for one, torchrun for more."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "litespark_megatron", *flags]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--master-addr",
+               "127.0.0.1", "--master-port", free_port(), "-m", "litespark_megatron", *flags]
+    return run(cmd, timeout=timeout, env=env or child_env(MASTER_PORT=free_port()))
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def records(metrics_file, kind=None) -> list:
+    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def losses(metrics_file) -> dict:
+    """step -> training loss of each log interval (log interval 1: every step)."""
+    return {r["step"]: r["loss"] for r in records(metrics_file, "train")}
+
+
+def parity_run(tmp_path, nproc: int, flags, env=None) -> dict:
+    """Train in a layout; its per-step losses and grad norms (metrics.jsonl, log interval 1)."""
+    metrics = tmp_path / f"metrics_{free_port()}.jsonl"
+    ok(train(nproc, *flags, "--log-interval", "1", "--metrics-file", metrics, env=env))
+    rows = records(metrics, "train")
+    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
 
 
 @pytest.fixture
@@ -77,3 +108,15 @@ def run_error(tool, argv, capsys) -> str:
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err  # one line: no usage block, no traceback
     return lines[0]
+
+
+def preset(name: str):
+    """A --model preset's Megatron-LM arguments as attributes (num_layers, ...; num_query_groups for MHA too)."""
+    from types import SimpleNamespace
+
+    from litespark_megatron.arguments import preset_values
+
+    values = preset_values(name)
+    values.setdefault("num_query_groups", values["num_attention_heads"])
+    values.setdefault("untie_embeddings_and_output_weights", False)
+    return SimpleNamespace(**values)

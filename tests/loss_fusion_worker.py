@@ -9,18 +9,15 @@ import sys
 
 import torch
 
+import bare_model
+
 
 def main():
-    from litespark_megatron import config, model as model_lib, platform
-
+    plat = bare_model.start()
     # Plain .grad on a bare model: TE's fused accumulation would write into megatron DDP's main_grad, absent here.
-    args = config.resolve(["--seq-length", "64", "--vocab-size", "1024", "--no-gradient-accumulation-fusion",
-                           *sys.argv[1:]])
-    plat = platform.init_distributed(args)
-    backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
-    cfg = model_lib.transformer_config(args, backend, plat.device_type)
-    (model,) = model_lib.build_model(args, cfg, backend, args.vocab_size)
-    device = platform.current_device()
+    _, model = bare_model.build(["--seq-length", "64", "--vocab-size", "1024", "--no-gradient-accumulation-fusion",
+                                 *sys.argv[1:]], plat)
+    device = next(model.parameters()).device
     g = torch.Generator().manual_seed(7)
     tokens, labels = (torch.randint(0, 1024, (2, 64), generator=g).to(device) for _ in range(2))
     position_ids = torch.arange(64, device=device).expand(2, 64)
@@ -41,7 +38,7 @@ def main():
                                      for n in ref_grads),
         }
     print(json.dumps(report))
-    platform.shutdown()
+    bare_model.stop()
 
 
 if __name__ == "__main__":

@@ -1,29 +1,26 @@
 """Builds the tiny model with two specs from the same seed and prints the largest logit and gradient differences.
 
-    python tests/spec_worker.py SPEC_A SPEC_B [flags...]
+    python tests/spec_worker.py SPEC_A SPEC_B [litespark-train flags...]
 """
 import json
-import os
 import sys
 
 import torch
 
+import bare_model
+
 
 def main():
     spec_a, spec_b, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
-    from litespark_megatron import config, model as model_lib, platform
-
-    # Plain .grad on a bare model: TE's fused accumulation would write into megatron DDP's main_grad, absent here.
-    args = config.resolve(["--seq-length", "32", "--vocab-size", "128", "--no-gradient-accumulation-fusion", *flags])
-    plat = platform.init_distributed(args)
-    backend = config.resolved_backend(args, cuda=plat.device_type == "cuda", te=plat.te)
+    plat = bare_model.start()
+    # Plain .grad on a bare model: fused accumulation would write into megatron DDP's main_grad, absent here.
+    base = ["--model", "tiny", "--seq-length", "32", "--vocab-size", "128", "--no-gradient-accumulation-fusion",
+            *flags]
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(7))
-    device = platform.current_device()
     results = {}
     for spec in (spec_a, spec_b):
-        args.spec = spec
-        cfg = model_lib.transformer_config(args, backend, plat.device_type)
-        (model,) = model_lib.build_model(args, cfg, backend, args.vocab_size)
+        _, model = bare_model.build(base + ["--spec", spec], plat)
+        device = next(model.parameters()).device
         t = tokens.to(device)
         logits = model(t, torch.arange(32, device=device).expand(2, 32), None)   # [b, s, v]
         logits.float().square().mean().backward()
@@ -38,7 +35,7 @@ def main():
         "params_compared": len(common), "params_a": len(ga), "params_b": len(gb),
         "same_keys": [k for k in ka if not k.endswith("_extra_state")] == [k for k in kb if not k.endswith("_extra_state")],
     }))
-    platform.shutdown()
+    bare_model.stop()
 
 
 if __name__ == "__main__":

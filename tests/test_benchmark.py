@@ -11,12 +11,16 @@ import pytest
 from conftest import load_tool
 
 from litespark_megatron import benchmark
-from litespark_megatron.config import resolve
+from litespark_megatron import arguments, platform
 from litespark_megatron.metrics.flops import ModelShape, training_flops_per_step
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TINY = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2", "--steps", "2", "--warmup", "1"]
+
+
+def resolve(argv):
+    return arguments.resolve(argv, platform.detect())
 
 
 def tiny_flops(seq: int, gbs: int, causal: str) -> int:
@@ -71,7 +75,7 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     # No baseline in this run: the ratios say n/a rather than inventing one.
     assert rows["litespark-local-bf16"]["vs_hf_eager"] == {"tokens_per_sec": None, "joules_per_token": None}
     assert report["device"]["type"] == "cpu" and report["peak"] is None and "CPU" in report["peak_note"]
-    assert report["software"]["megatron_core"] == "0.16.1"
+    assert report["software"]["megatron_core"] == platform.MEGATRON_CORE_VERSION
     assert report["settings"]["tokens_per_step"] == 128 and report["settings"]["global_batch_size"] == 2
     assert report["command"].startswith("python tools/benchmark.py --model tiny")
     md = (out / "benchmark.md").read_text()
@@ -82,8 +86,9 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     assert rows["litespark-local-bf16"]["health"] == dict(
         attention=["torch SDPA FlashAttention (CPU)"], attention_kind="flash", degraded=[], device_type="cpu",
         fusions=dict(cross_entropy="off", rope="unfused", wgrad_accumulation="off"))
-    assert "| stock-te-bf16 | failed: --spec stock-te needs Transformer Engine" in md
-    assert "--systems litespark-local-bf16,stock-te-bf16" in md and "megatron-core 0.16.1" in md
+    assert "| stock-te-bf16 | failed: --transformer-impl transformer_engine (Megatron-LM's default) needs " \
+        "Transformer Engine, which is not importable on a CPU" in md
+    assert "--systems litespark-local-bf16,stock-te-bf16" in md and f"megatron-core {platform.MEGATRON_CORE_VERSION}" in md
     results_table = md.split("Where the time goes")[0]
     for line in results_table.splitlines():
         if line.startswith("| "):
@@ -227,16 +232,16 @@ def test_hf_config_has_the_preset_shape():
     (["--systems", " , "], "--systems is empty"),
     (["--micro-batch-size", "4", "--global-batch-size", "6"], "--global-batch-size 6 is not a multiple of"),
     (["--best-micro-batch", "--micro-batch-size", "2"], "--micro-batch-size and --best-micro-batch are exclusive"),
-    (["--model", "llama-7b"], "unknown model preset 'llama-7b'"),
+    (["--model", "llama-7b"], "unknown --model 'llama-7b'; choose one of: tiny, llama-1b"),
     (["--model", "tiny", "--hidden-size", "130"], "--hidden-size 130 is not divisible by --num-attention-heads 4"),
     (["--model", "tiny", "--hidden-size", "100"], "head dimension 25 (--hidden-size 100 / --num-attention-heads 4) "
                                                   "must be even"),
     (["--steps", "0"], "argument --steps: a positive integer expected"),
     (["--profile-steps", "-1"], "argument --profile-steps: an integer >= 0 expected"),
-    (["--megatron-flags=--bogus 1"], "--megatron-flags: not litespark-train flags: --bogus 1"),
+    (["--megatron-flags=--bogus 1"], "--megatron-flags: unrecognized arguments: --bogus 1"),
     (["--megatron-flags=--cross-entropy-fusion-impl foo"], "argument --cross-entropy-fusion-impl: invalid choice"),
     (["--megatron-flags=--lr '1"], "--megatron-flags: No closing quotation"),
-    (["--megatron-flags=--spec nope"], "--megatron-flags: unknown --spec 'nope'"),
+    (["--megatron-flags=--spec nope"], "--megatron-flags: --spec nope: name one of litespark, stock, stock-te, stock-local"),
     (["--megatron-flags=--seq-length 128"], "--megatron-flags: changes --seq-length, which the benchmark sets for "
                                             "every system alike"),
     (["--variant", "tensorwise"], "--variant tensorwise: expected NAME=SYSTEM:FLAGS"),
@@ -247,8 +252,8 @@ def test_hf_config_has_the_preset_shape():
     (["--systems", "litespark-fp8", "--variant", "litespark-fp8=litespark-fp8:--fp8-recipe tensorwise"],
      "the name 'litespark-fp8' is already taken"),
     (["--variant", "v=litespark-fp8:--fp8-recipe nope"],
-     "--variant v: litespark-train: error: argument --fp8-recipe: invalid choice"),
-    (["--variant", "v=litespark-fp8:--bogus"], "--variant v: not litespark-train flags: --bogus"),
+     "--variant v: argument --fp8-recipe: invalid choice: 'nope'"),
+    (["--variant", "v=litespark-fp8:--bogus"], "--variant v: unrecognized arguments: --bogus"),
     (["--variant", "v=litespark-bf16:--num-layers 3 --micro-batch-size 1"],
      "--variant v: changes --num-layers, --micro-batch-size, which the benchmark sets"),
 ])

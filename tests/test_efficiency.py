@@ -105,26 +105,30 @@ def test_unknown_variant_is_refused_before_any_work(tmp_path):
 
 
 def test_fp8_on_cpu_is_refused_before_any_work(tmp_path):
-    proc = suite(tmp_path / "out", "--variants", "gqa,fp8", "--model", "tiny", "--mock-data")
+    proc = suite(tmp_path / "out", "--variants", "gqa,fp8", "--model", "tiny", "--mock-data", "--",
+                 "--micro-batch-size", "2")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "efficiency_suite: error: variant 'fp8' cannot run here: FP8 (--fp8-format) needs Transformer Engine, which "
-        "is not importable here: pip install 'litespark-megatron[te]' on a GPU machine, or drop --fp8-format")
+        "efficiency_suite: error: variant 'fp8' cannot run here: --fp8-format needs a GPU with FP8 tensor cores "
+        "(compute capability >= 8.9, e.g. H100/H200) and Transformer Engine; use --bf16")
     assert not (tmp_path / "out").exists()
 
 
 def test_every_variant_the_layout_cannot_run_is_named():
-    """TP2: MQA (one KV head) and MLA (TP without sequence parallelism) cannot run; the others can."""
+    """TP2 on the CPU: MQA (one KV head), MLA (TP without TE) and MoE (TP without SP) cannot run; FP8 needs a GPU."""
     from litespark_megatron import efficiency, platform
-    from litespark_megatron.config import UserError
+    from litespark_megatron.arguments import UserError
 
     settings = efficiency.parse_settings(["--out", "unused", "--model", "tiny", "--variants", "all", "--nproc", "2",
-                                          "--", "--tensor-model-parallel-size", "2"])
+                                          "--", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                                          "--global-batch-size", "4", "--mock-data"])
     with pytest.raises(UserError) as e:
         efficiency.plan(settings, platform.detect())
     lines = str(e.value).splitlines()
     assert [l.split("'")[1] for l in lines] == ["mqa", "mla", "moe", "fp8"]
-    assert "MQA has one KV head" in lines[0] and "needs --sequence-parallel" in lines[1]
+    assert "--num-query-groups (KV heads) 1 is not divisible by --tensor-model-parallel-size 2" in lines[0]
+    assert "--multi-latent-attention with --tensor-model-parallel-size > 1 needs" in lines[1]
+    assert "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel" in lines[2]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -132,11 +136,11 @@ def test_every_variant_the_layout_cannot_run_is_named():
     (["--variants", "gqa", "--", "--bf16"], "--bf16 is set by the suite"),
     (["--variants", "gqa", "--variant-flags", "fast=--lr 1"], "expected NAME=FLAGS with NAME one of"),
     (["--variants", "gqa", "--rerun", "gpa"], "--rerun: unknown variant(s) gpa"),
-    (["--variants", "gqa", "--model", "gpt-5"], "unknown model preset 'gpt-5'"),
+    (["--variants", "gqa", "--model", "gpt-5"], "unknown --model 'gpt-5'"),
 ])
 def test_bad_options(argv, message):
     from litespark_megatron import efficiency
-    from litespark_megatron.config import UserError
+    from litespark_megatron.arguments import UserError
 
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         efficiency.parse_settings(["--out", "unused", *argv])
@@ -185,7 +189,8 @@ def test_an_oom_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypat
 
     monkeypatch.setattr(efficiency, "run_variant", fake_run)
     settings = efficiency.parse_settings(["--out", str(tmp_path / "out"), "--model", "tiny", "--variants",
-                                          "mqa,gqa", "--mock-data", "--train-iters", "30", "--log-interval", "10"])
+                                          "mqa,gqa", "--mock-data", "--train-iters", "30", "--log-interval", "10",
+                                          "--", "--micro-batch-size", "2"])
     assert efficiency.run_suite(settings, log=lambda *a: None) == 1
     assert ran == ["mqa", "gqa"]
     table = (tmp_path / "out" / "efficiency.md").read_text()
@@ -272,21 +277,28 @@ def test_interrupted_suite_stops_its_run_and_resumes(tmp_path):
     assert json.loads(state_file.read_text())["variants"]["mqa"]["status"] == "done"
 
 
-def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_the_runs(tmp_path):
-    """The vocabulary follows the data's tokenizer unless given, so the shape's parameter count of a variant that
-    has not run takes the vocabulary from a variant that did (same data), not the preset's."""
-    from litespark_megatron import efficiency
+def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_its_data(tmp_path):
+    """The vocabulary is the data tokenizer's (megatron.training ignores --vocab-size for a text tokenizer), so the
+    parameter count of a variant that has not run uses it, not the preset's 4096."""
+    from tokenizers import Tokenizer
+
+    from litespark_megatron import data, efficiency
+    from litespark_megatron.metrics.flops import ModelShape, param_count
     from litespark_megatron.platform import detect
 
-    out = tmp_path / "suite"
-    (out / "runs" / "gqa" / "tb").mkdir(parents=True)
-    (out / "runs" / "gqa" / "tb" / "config.yaml").write_text("vocab_size: 1000\n")
-    settings = efficiency.Settings(out=out, model="tiny", variants=["gqa", "mqa"], precision="fp32", train_iters=2,
-                                   log_interval=1, eval_iters=1, nproc=1, mock_data=False, warmup_intervals=1,
-                                   timeout=60, time_budget=None, rerun=[], variant_flags={}, shared=[])
+    tokenizer_dir = tmp_path / "tok"
+    data.train_bpe_tokenizer(["def f(x):\n    return x * 2\n" * 50], 300, str(tokenizer_dir))
+    settings = efficiency.Settings(out=tmp_path / "suite", model="tiny", variants=["gqa", "mqa"], precision="fp32",
+                                   train_iters=2, log_interval=1, eval_iters=1, nproc=1, mock_data=True,
+                                   warmup_intervals=1, timeout=60, time_budget=None, rerun=[], variant_flags={},
+                                   shared=["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                           str(tokenizer_dir), "--micro-batch-size", "1"])
     planned = efficiency.plan(settings, detect())
     rows = {r["variant"]: r for r in efficiency.collect_rows(settings, planned, {"variants": {}})}
-    with_data_vocab = efficiency._params_of(planned["mqa"]["args"], out / "runs" / "gqa" / "tb" / "config.yaml")
-    with_preset_vocab = efficiency._params_of(planned["mqa"]["args"])
-    assert with_data_vocab["total"] != with_preset_vocab["total"]  # tiny has a 4096 vocabulary
-    assert rows["mqa"]["status"] == "not run" and rows["mqa"]["params"] == with_data_vocab["total"]
+    shape = planned["mqa"]["args"]
+    per_row = 2 * shape.hidden_size  # untied: the embedding and the output layer both hold a row per token
+    preset_count = param_count(ModelShape.from_args(shape, padded_vocab=4096)).total
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    assert 128 < vocab <= 300
+    assert rows["mqa"]["status"] == "not run"
+    assert rows["mqa"]["params"] == preset_count - per_row * (4096 - 384)  # its vocabulary padded to 3 x 128

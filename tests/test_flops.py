@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from litespark_megatron.config import PRESETS
+from conftest import preset
 from litespark_megatron.metrics.flops import (
     MLAShape,
     ModelShape,
@@ -274,8 +274,8 @@ def megatron_lm_flops(args, batch_size):
         + fb * fma * args.hidden_size * args.padded_vocab_size)
 
 
-def _megatron_args(preset, **kw):
-    p = PRESETS[preset]
+def _megatron_args(name, **kw):
+    p = preset(name)
     args = SimpleNamespace(
         num_layers=p.num_layers, hidden_size=p.hidden_size, ffn_hidden_size=p.ffn_hidden_size,
         num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
@@ -328,7 +328,7 @@ def test_mla_matches_megatron_lm_minus_norm_terms(q_lora_rank):
 # 3. Hand-computed values for the presets
 # ----------------------------------------------------------------------------------------------------------
 def preset_shape(name):
-    p = PRESETS[name]
+    p = preset(name)
     return ModelShape(num_layers=p.num_layers, hidden_size=p.hidden_size, ffn_hidden_size=p.ffn_hidden_size,
                       num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
                       vocab_size=p.vocab_size, seq_length=p.seq_length,
@@ -409,12 +409,12 @@ def test_recompute_from_args_block_counts_first_layers_of_each_chunk():
     assert recompute_from_args(args) == {"recompute": None}
 
 
-def test_from_args_pads_vocab_and_reads_litespark_namespace():
-    from litespark_megatron.config import resolve
+def test_from_args_pads_vocab_as_megatron_lm():
+    from litespark_megatron import arguments, platform
 
-    args = resolve(["--model", "llama-30b", "--vocab-size", "32001"])
+    args = arguments.resolve(["--model", "llama-30b", "--vocab-size", "32001"], platform.detect())
     shape = ModelShape.from_args(args)
-    assert shape.vocab_size == 32128  # padded to a multiple of 128, as litespark pads
+    assert shape.vocab_size == 32128  # padded to a multiple of 128 x TP, as Megatron-LM pads
     assert shape.num_query_groups == 52 and shape.kv_channels == 128 and shape.gated_linear_unit
     assert ModelShape.from_args(args, padded_vocab=32256).vocab_size == 32256
 

@@ -5,7 +5,8 @@ import json
 from conftest import load_tool
 
 SHARED = ["--", "--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size",
-          "2", "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "2", "--eval-iters", "0"]
+          "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4", "--log-interval", "2", "--eval-iters", "0",
+          "--eval-interval", "100"]
 
 
 def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
@@ -26,3 +27,13 @@ def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
             in captured.err)
     rc = sweep.main(["--out", str(tmp_path / "b"), "--allow-degraded", "--layout", "1:--spec stock-local"] + SHARED)
     assert rc == 0 and "**DEGRADED**" in (tmp_path / "b" / "sweep.md").read_text()
+
+
+def test_a_refused_layout_reports_the_trainers_reason(tmp_path, capsys):
+    sweep = load_tool("layout_sweep")
+    rc = sweep.main(["--out", str(tmp_path), "--layout", "1:--tensor-model-parallel-size 3"] + SHARED)
+    capsys.readouterr()
+    assert rc == 1
+    (row,) = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert row["rc"] == 1 and row["error"].startswith("litespark-train: error: world size 1 is not divisible by "
+                                                      "TP x PP x CP = 3 x 1 x 1 = 3"), row

@@ -53,3 +53,45 @@ def test_summary_arithmetic_and_rendering():
     md = render(s, "demo")
     assert md.startswith("### demo") and "GPU busy 80% of the wall time" in md
     assert "| gemm | 4.0 | 80.0% |" in md and "| `nvjet_gemm_a` | gemm | 3.00 | 2 | 60.0% |" in md
+
+
+def test_trace_summary_gpu_kernels_and_steps(tmp_path):
+    """A Chrome trace as torch.profiler exports it (what megatron.training's --use-pytorch-profiler writes): GPU
+    kernel/memcpy events by name, steps and wall time from the ProfilerStep ranges."""
+    import gzip
+    import json
+
+    from litespark_megatron.metrics.profile import summarize_trace
+
+    events = [{"ph": "X", "name": "ProfilerStep#4", "cat": "user_annotation", "ts": 0, "dur": 10000},
+              {"ph": "X", "name": "ProfilerStep#5", "cat": "user_annotation", "ts": 10000, "dur": 10000},
+              {"ph": "X", "name": "nvjet_gemm_a", "cat": "kernel", "ts": 5, "dur": 6000},
+              {"ph": "X", "name": "nvjet_gemm_a", "cat": "kernel", "ts": 10005, "dur": 6000},
+              {"ph": "X", "name": "Memcpy HtoD", "cat": "gpu_memcpy", "ts": 1, "dur": 1000},
+              {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 0, "dur": 99999}]
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize_trace(str(path))
+    assert (s["device"], s["steps"]) == ("cuda", 2)
+    assert s["wall_ms_per_step"] == pytest.approx(10.0) and s["kernel_ms_per_step"] == pytest.approx(6.5)
+    assert category_ms(s) == pytest.approx({"gemm": 6.0, "copy/fill": 0.5})
+
+
+def test_trace_summary_cpu_operators_count_self_time(tmp_path):
+    """On a CPU trace (no kernels) an operator's self time is its duration minus the operators it calls."""
+    import json
+
+    from litespark_megatron.metrics.profile import summarize_trace
+
+    events = [{"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "ts": 0, "dur": 1000},
+              {"ph": "X", "name": "aten::linear", "cat": "cpu_op", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 10, "dur": 60, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "aten::add", "cat": "cpu_op", "ts": 80, "dur": 10, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 200, "dur": 40, "pid": 1, "tid": 2}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarize_trace(str(path))
+    assert s["device"] == "cpu" and s["steps"] == 1
+    by_name = {k["name"]: k["ms_per_step"] for k in s["top_kernels"]}
+    assert by_name == pytest.approx({"aten::mm": 0.1, "aten::linear": 0.03, "aten::add": 0.01})

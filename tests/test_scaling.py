@@ -12,7 +12,7 @@ import pytest
 
 from conftest import load_tool, run_error, run_json
 
-from litespark_megatron.config import PRESETS
+from conftest import preset
 from litespark_megatron.metrics.flops import ModelShape, param_count, training_flops_per_step
 from litespark_megatron.metrics.peaks import detect_peak
 from litespark_megatron.metrics.scaling import (
@@ -37,7 +37,7 @@ PLAIN = Interconnect(nvlink_gbps=100, ib_gbps_per_gpu=10, bus_efficiency=1.0, nv
 
 
 def preset_shape(name, **over) -> ModelShape:
-    p = PRESETS[name]
+    p = preset(name)
     fields = dict(num_layers=p.num_layers, hidden_size=p.hidden_size, ffn_hidden_size=p.ffn_hidden_size,
                   num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
                   vocab_size=-(-p.vocab_size // 128) * 128, seq_length=p.seq_length,

@@ -24,7 +24,7 @@ def test_litespark_local_equals_stock_local(py):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the te backend needs a CUDA GPU and Transformer Engine")
 def test_litespark_te_equals_stock_te(py):
     pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
-    r = _compare(py, "litespark", "stock-te", "--transformer-impl", "te", "--bf16")
+    r = _compare(py, "litespark", "stock-te", "--transformer-impl", "transformer_engine", "--bf16")
     assert r["same_keys"]
     assert r["logit_max_abs_diff"] <= 2e-2 * max(1.0, r["logit_max_abs"])  # bf16 tolerance
     assert r["grad_max_rel_diff"] <= 5e-2
@@ -62,13 +62,14 @@ def test_te_backend_attention_is_sdpa():
 
 
 def test_unknown_backend_and_spec_are_refused():
-    from litespark_megatron.config import ConfigError
-    from litespark_megatron.specs import get_layer_spec, get_litespark_layer_spec
+    from litespark_megatron.arguments import ConfigError, resolve_quietly
+    from litespark_megatron.specs import get_litespark_layer_spec
 
     with pytest.raises(ConfigError, match="unknown Litespark backend 'cuda'"):
         get_litespark_layer_spec(backend="cuda")
-    with pytest.raises(ConfigError, match="unknown --spec 'gpt2'"):
-        get_layer_spec("gpt2", "local")
+    with pytest.raises(ConfigError, match="--spec gpt2: name one of litespark, stock, stock-te, stock-local, or give "
+                                          "a module and a function"):
+        resolve_quietly(["--model", "tiny", "--spec", "gpt2"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused cross-entropy kernels run on CUDA only")
@@ -76,7 +77,7 @@ def test_fused_cross_entropy_equals_unfused(py):
     """--cross-entropy-loss-fusion (both implementations) computes megatron-core's cross-entropy: same per-token
     losses and gradients as the unfused loss, on the same weights, within bf16 rounding."""
     pytest.importorskip("transformer_engine.pytorch", reason="the te implementation needs Transformer Engine")
-    proc = py(TESTS / "loss_fusion_worker.py", "--model", "tiny", "--bf16", "--transformer-impl", "te")
+    proc = py(TESTS / "loss_fusion_worker.py", "--model", "tiny", "--bf16", "--transformer-impl", "transformer_engine")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 5.0 < r["loss_mean"] < 9.0, r  # a fresh model on a 1024 vocabulary: ~ln(1024) = 6.9

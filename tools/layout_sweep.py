@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import socket
 import subprocess
@@ -87,8 +86,10 @@ def main(argv=None) -> int:
         if rc == 0 and metrics.exists():
             row.update(steady_state(metrics))
         else:
-            tail = (run_dir / "log.txt").read_text().strip().splitlines()[-3:]
-            row["error"] = " | ".join(tail)[-300:]
+            lines = (run_dir / "log.txt").read_text().strip().splitlines()
+            # The trainer's own one-line refusal says what was wrong; torchrun's report after it does not.
+            refusals = [line for line in lines if line.startswith("litespark-train: error: ")]
+            row["error"] = refusals[-1] if refusals else " | ".join(lines[-3:])[-300:]
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = rows[0].get("tokens_per_sec_per_gpu")

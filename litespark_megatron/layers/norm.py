@@ -17,8 +17,11 @@ class LitesparkRMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # --apply-layernorm-1p (Megatron-LM's zero-centered gamma): the norm scales by 1 + weight, weight from 0.
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight + 1 if self.zero_centered_gamma else self.weight, self.eps)

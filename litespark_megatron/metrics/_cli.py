@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Optional
 
-from litespark_megatron.config import MODEL_FIELDS, PRESETS
+from litespark_megatron.arguments import PRESETS, ConfigError, preset_values
 from litespark_megatron.metrics.flops import ModelShape
 from litespark_megatron.metrics.peaks import PEAK_TFLOPS, Peak, PeakError, detect_peak
 
@@ -119,14 +119,23 @@ def add_peak_args(p: argparse.ArgumentParser) -> None:
                    help="training precision; FP8 MFU is taken against the BF16 dense peak")
 
 
+# The shape fields a preset fills where no flag overrode them (its other flags, e.g. the activation, are the
+# tools' own defaults already).
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "vocab_size", "seq_length", "untie_embeddings_and_output_weights")
+
+
 def apply_preset(args: argparse.Namespace) -> None:
     """Fill the model fields of ``args`` from its preset where no flag overrode them."""
-    if args.model not in PRESETS:
-        raise UsageError(f"unknown --model '{args.model}'; choose one of: {', '.join(PRESETS)}")
-    preset = PRESETS[args.model]
+    try:
+        values = preset_values(args.model)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    values.setdefault("num_query_groups", values["num_attention_heads"])  # an MHA preset has no GQA flags
+    values.setdefault("untie_embeddings_and_output_weights", False)
     for name in MODEL_FIELDS:
         if getattr(args, name, None) is None:
-            setattr(args, name, getattr(preset, name))
+            setattr(args, name, values[name])
 
 
 def shape_from_cli(args: argparse.Namespace) -> ModelShape:

@@ -172,8 +172,8 @@ class ModelShape:
         """Build from a parsed litespark/Megatron-LM argument namespace.
 
         The vocabulary is, in order: ``padded_vocab`` when given, ``args.padded_vocab_size`` when the namespace
-        has one (Megatron-LM sets it), else ``vocab_size`` padded to ``make_vocab_size_divisible_by`` the way
-        litespark pads it (independent of TP). MoE fields are read when ``num_experts`` is set, MLA fields when
+        has one (Megatron-LM sets it), else ``vocab_size`` padded as Megatron-LM pads it (to a multiple of
+        make_vocab_size_divisible_by x TP). MoE fields are read when ``num_experts`` is set, MLA fields when
         ``multi_latent_attention`` is true; missing MoE/MLA attributes take megatron-core's defaults.
         """
         heads = args.num_attention_heads
@@ -184,9 +184,9 @@ class ModelShape:
         if padded_vocab is None:
             padded_vocab = getattr(args, "padded_vocab_size", None)
         if padded_vocab is None:
-            from litespark_megatron.config import padded_vocab_size
-
-            padded_vocab = padded_vocab_size(args.vocab_size, getattr(args, "make_vocab_size_divisible_by", None) or 1)
+            multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 1) * \
+                (getattr(args, "tensor_model_parallel_size", None) or 1)
+            padded_vocab = -(-args.vocab_size // multiple) * multiple  # Megatron-LM's padding
         moe = None
         if getattr(args, "num_experts", None):
             # Megatron-LM flags default to None where megatron-core has a default: take the core default then.

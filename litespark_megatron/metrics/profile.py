@@ -1,7 +1,8 @@
 """Where a training step's time goes: torch.profiler over a few steps, kernels grouped by what they do.
 
-`profile_steps(step_fn, steps, cuda)` (the benchmark) and `StepProfiler` (litespark-train --profile) run training
-steps under torch.profiler and return a summary:
+`profile_steps(step_fn, steps, cuda)` runs steps of an in-process model under torch.profiler (the benchmark's HF
+systems); `summarize_trace(path)` reads the Chrome trace megatron.training writes with `--profile
+--use-pytorch-profiler` (litespark-train, and the benchmark's megatron systems). Both give the same summary:
 per category (GEMM, attention, optimizer, communication, ...) the GPU time per step, the share of the step, and the
 top kernels by GPU time. On the CPU (no kernels) it groups the CPU operators instead, so the tool runs anywhere.
 `busy_fraction` is the summed kernel time over the wall time of the profiled steps: well below 1 means the GPU
@@ -134,6 +135,54 @@ def _summarize_profiler(prof, steps: int, wall: float, cuda: bool) -> dict:
     return summarize(kernels, calls, steps, wall, "cuda" if cuda else "cpu")
 
 
+def summarize_trace(path: str, top: int = 25) -> dict:
+    """The summary of a Chrome trace (a .json or .json.gz torch.profiler export). GPU traces: the kernel, memcpy
+    and memset events; CPU traces: the aten operators' self time. The steps and their wall time come from the
+    trace's ProfilerStep#N ranges."""
+    import gzip
+    import json
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    wall_us = sum(e["dur"] for e in steps)
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels: Dict[str, float] = {}
+    calls: Dict[str, int] = {}
+    if gpu:
+        for e in gpu:
+            kernels[e["name"]] = kernels.get(e["name"], 0.0) + e["dur"]
+            calls[e["name"]] = calls.get(e["name"], 0) + 1
+    else:
+        for name, us in _cpu_self_times([e for e in events if e.get("cat") == "cpu_op"]):
+            if name.startswith("aten::"):
+                kernels[name] = kernels.get(name, 0.0) + us
+                calls[name] = calls.get(name, 0) + 1
+    return summarize(kernels, calls, max(len(steps), 1), wall_us / 1e6, "cuda" if gpu else "cpu", top=top)
+
+
+def _cpu_self_times(ops):
+    """(name, self microseconds) of CPU operator events: their duration minus that of the operators they call
+    (nested ranges of the same thread)."""
+    by_thread: Dict[object, list] = {}
+    for e in ops:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread_ops in by_thread.values():
+        thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list = []  # [event, children's duration]
+        for e in thread_ops:
+            while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+                done, children = stack.pop()
+                yield done["name"], done["dur"] - children
+            if stack:
+                stack[-1][1] += e["dur"]
+            stack.append([e, 0.0])
+        while stack:
+            done, children = stack.pop()
+            yield done["name"], done["dur"] - children
+
+
 def render(summary: dict, title: str) -> str:
     """The summary as Markdown: categories, then the top kernels."""
     unit = "kernels" if summary["device"] == "cuda" else "CPU operators (self time)"
@@ -158,4 +207,5 @@ def category_ms(summary: dict) -> Dict[str, float]:
     return {c["category"]: c["ms_per_step"] for c in summary["categories"]}
 
 
-__all__: List[str] = ["kernel_category", "summarize", "StepProfiler", "profile_steps", "render", "category_ms"]
+__all__: List[str] = ["kernel_category", "summarize", "StepProfiler", "profile_steps", "summarize_trace", "render",
+                       "category_ms"]

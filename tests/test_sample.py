@@ -3,7 +3,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from litespark_megatron.generate import sample
+from litespark_megatron.sample import sample
 
 
 class CausalToy(torch.nn.Module):

@@ -1,4 +1,5 @@
-"""Sample text from a trained model (top-k sampling, full forward per token: for a quick look, not for serving)."""
+"""--sample-prompt: the trained model's continuation of a prompt, printed after training (a quick look at what it
+learned: top-k sampling, a full forward per token; not for serving)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,12 +10,35 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from .platform import current_device
 
+_model = []
 
-def can_sample(args) -> Optional[str]:
-    """None if this layout can sample, else why not."""
+
+def why_not(args) -> Optional[str]:
+    """None if this run can sample after training, else why not (checked before training starts)."""
     if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1 or args.sequence_parallel:
-        return "sampling runs without pipeline, context or sequence parallelism"
+        return "--sample-prompt runs without pipeline, context or sequence parallelism"
+    if not args.tokenizer_model:
+        return ("--sample-prompt needs a text tokenizer (--tokenizer-model, or --embedded-corpus): the "
+                f"{args.tokenizer_type} cannot encode text")
     return None
+
+
+def keep_model(chunks):
+    """A post-wrap hook of the model config: keeps the trained model for the sample after pretrain returns."""
+    _model[:] = chunks
+    return chunks
+
+
+def print_sample(args) -> None:
+    from megatron.training.utils import print_rank_0
+
+    from .data import load_tokenizer
+
+    tokenizer_type = None if args.tokenizer_type == "NullTokenizer" else args.tokenizer_type
+    tokenizer = load_tokenizer(tokenizer_type, args.tokenizer_model, args.vocab_size)
+    text = sample(_model[0], tokenizer, args.sample_prompt, args.seq_length, max_new_tokens=args.sample_tokens,
+                  seed=args.seed)
+    print_rank_0(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):\n{args.sample_prompt}{text}")
 
 
 @torch.no_grad()

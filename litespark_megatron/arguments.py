@@ -1,0 +1,514 @@
+"""litespark-train's command line: Megatron-LM's own arguments with Megatron-LM's defaults, plus Litespark's few.
+
+A run's argv is expanded into Megatron-LM flags before megatron.training parses it, in this order (later wins):
+
+    --spec litespark               the product's layer (Megatron-LM's --spec; a name here, see specs.py)
+    platform flags                 on a CPU only: what it cannot do (gloo, local modules, no CUDA fusions)
+    --model PRESET                 a preset is data: the Megatron-LM flags of a Llama shape
+    --config FILE.yaml             keys are flag names, values typed exactly as on the command line
+    --embedded-corpus stdlib       the prepared corpus as --data-path and tokenizer flags
+    the command line itself
+
+so a preset or a file is nothing but flags, and the command line overrides them. Litespark's own flags
+(`add_litespark_args`, megatron.training's extra_args_provider) are few; every other flag, default and check is
+Megatron-LM's. `check()` adds the checks Megatron-LM makes with bare asserts or not at all, one clear line each,
+before any work.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+
+class UserError(Exception):
+    """Bad input the user can fix: printed as one line, exit code 2, no traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration that cannot run. The message says what is wrong and what to do."""
+
+
+PROG = "litespark-train"
+
+# --------------------------------------------------------------------------------------------- presets
+# What makes a Megatron-LM GPT a Llama: the layer the Litespark modules compute.
+LLAMA = {"swiglu": True, "normalization": "RMSNorm", "disable-bias-linear": True, "position-embedding-type": "rope",
+         "attention-dropout": 0.0, "hidden-dropout": 0.0, "norm-epsilon": 1e-5}
+
+
+@dataclass(frozen=True)
+class Preset:
+    flags: Dict[str, object]  # Megatron-LM flag name (without --) -> value; True gives the switch
+    description: str
+
+
+def _llama(layers, hidden, ffn, heads, groups, seq, max_positions, rotary_base, vocab, description):
+    shape = {"num-layers": layers, "hidden-size": hidden, "ffn-hidden-size": ffn, "num-attention-heads": heads,
+             "seq-length": seq, "max-position-embeddings": max_positions, "rotary-base": rotary_base,
+             "vocab-size": vocab, "untie-embeddings-and-output-weights": True}
+    if groups != heads:
+        shape.update({"group-query-attention": True, "num-query-groups": groups})
+    return Preset({**LLAMA, **shape}, description)
+
+
+PRESETS = {
+    # Small enough for CPU tests and the quickstart; 4 layers so that PP2 x 2 virtual stages is possible.
+    "tiny": _llama(4, 128, 352, 4, 2, 128, 4096, 10000, 4096, "test/quickstart model, ~2M parameters"),
+    "llama-1b": _llama(16, 2048, 8192, 32, 8, 4096, 131072, 500000, 128256, "Llama-3.2-1B shape, untied"),
+    "llama-3b": _llama(28, 3072, 8192, 24, 8, 4096, 131072, 500000, 128256, "Llama-3.2-3B shape, untied"),
+    "llama3-8b": _llama(32, 4096, 14336, 32, 8, 8192, 131072, 500000, 128256, "Llama-3-8B"),
+    "llama-30b": _llama(60, 6656, 17920, 52, 52, 4096, 4096, 10000, 32000, "LLaMA-30B shape (MHA, 32k vocab)"),
+    # Bases of the efficiency suite: GQA with 4 KV groups, 4x FFN, untied, 32k vocabulary (docs/metrics.md).
+    "eff-0.5b": _llama(28, 1024, 4096, 16, 4, 2048, 4096, 10000, 32000,
+                       "efficiency-suite base, ~0.49B parameters (32k vocab)"),
+    "eff-1.5b": _llama(22, 2048, 8192, 16, 4, 2048, 4096, 10000, 32000,
+                       "efficiency-suite base, ~1.47B parameters (32k vocab)"),
+}
+
+DEFAULT_FLAGS = {"spec": "litespark"}
+# On a CPU-only torch: what megatron.training's defaults assume of a GPU, switched off.
+CPU_FLAGS = {"distributed-backend": "gloo", "transformer-impl": "local", "no-gradient-accumulation-fusion": True,
+             "no-rope-fusion": True, "no-persist-layer-norm": True, "no-masked-softmax-fusion": True,
+             "no-bias-dropout-fusion": True, "no-bias-swiglu-fusion": True}
+SPEC_NAMES = ("litespark", "stock", "stock-te", "stock-local")
+EMBEDDED_CORPORA = ("stdlib",)
+
+
+# --------------------------------------------------------------------------------------------- the parser
+def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron.training's extra_args_provider: Litespark's own flags. It also makes a bad flag one line on stderr
+    (argparse's usage block would list Megatron-LM's ~900 flags before the message)."""
+    g = parser.add_argument_group("litespark")
+    g.add_argument("--model", default=None, choices=list(PRESETS),
+                   help="a preset, the Megatron-LM flags of a Llama shape (" +
+                        "; ".join(f"{k}: {p.description}" for k, p in PRESETS.items()) + "); flags win over it")
+    g.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="a YAML mapping of flag names (dashes or underscores) to values, read as flags before the "
+                        "command line (which wins): true gives a switch, false leaves it out")
+    g.add_argument("--embedded-corpus", default=None, choices=EMBEDDED_CORPORA,
+                   help="train on a corpus every machine has offline: 'stdlib', the Python standard library's "
+                        "source with a byte-level BPE trained on it (prepared once, cached under $LITESPARK_CACHE); "
+                        "it sets --data-path and the tokenizer")
+    g.add_argument("--metrics-file", default=None,
+                   help="one JSON record per log interval, evaluation and run (default: metrics.jsonl in --save, "
+                        "else beside --tensorboard-dir)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense TFLOP/s per GPU for MFU, instead of the GPU's datasheet peak")
+    g.add_argument("--sample-prompt", default=None,
+                   help="after training, print the model's greedy continuation of this prompt (a text tokenizer "
+                        "and pipeline-parallel size 1 needed)")
+    g.add_argument("--sample-tokens", type=int, default=64, help="tokens to generate for --sample-prompt")
+
+    def error(message):
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    # megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda has a bare '%' ("10%)"), which
+    # argparse reads as a format directive: --help raised ValueError. Escape bare percent signs in help texts.
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            action.help = re.sub(r"%(\([a-z_]+\)[a-z]|%)?", lambda m: m.group(0) if m.group(1) else "%%",
+                                 action.help)
+
+    parser.prog = PROG
+    parser.error = error
+    return parser
+
+
+@functools.lru_cache(maxsize=None)
+def full_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's parser with Litespark's flags: what every flag is (switch or value), for presets and files."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_litespark_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def _switch(action: argparse.Action) -> bool:
+    return action.nargs == 0
+
+
+def as_flags(mapping: Dict[str, object], where: str) -> List[str]:
+    """{flag name: value} -> argv tokens, each checked against what the flag is. A switch takes true (given) or
+    false (left out); a flag with values takes a scalar or, if it takes several, a list."""
+    parser = full_parser()
+    tokens: List[str] = []
+    for key, value in mapping.items():
+        option = "--" + str(key).strip().lstrip("-").replace("_", "-")
+        action = parser._option_string_actions.get(option) or \
+            parser._option_string_actions.get(option.replace("-", "_").replace("__", "--", 1))
+        if action is None or option == "--config":
+            raise ConfigError(f"{where}: unknown flag '{key}' (the flags of {PROG} --help are its keys)")
+        if _switch(action):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: '{key}' is a switch: write true or false, not {value!r}")
+            tokens += [option] if value else []
+            continue
+        if value is None or isinstance(value, bool) or isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' takes a value ({action.metavar or action.dest}), not {value!r}")
+        if isinstance(value, (list, tuple)):
+            if action.nargs not in ("*", "+") and not (isinstance(action.nargs, int) and action.nargs > 1):
+                raise ConfigError(f"{where}: '{key}' takes one value, not a list")
+            tokens += [option, *map(str, value)]
+        else:
+            tokens += [option, str(value)]
+    return tokens
+
+
+def load_config_file(path: str) -> Dict[str, object]:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got a "
+                          f"{type(data).__name__}")
+    return data
+
+
+def _pre_parse(argv: Sequence[str]):
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in ("--model", "--config", "--embedded-corpus"):
+        pre.add_argument(name)
+    known, _ = pre.parse_known_args(list(argv))
+    return known
+
+
+def expand(argv: Sequence[str], cpu: bool) -> List[str]:
+    """argv -> the full list of Megatron-LM flags (see the module docstring for the order)."""
+    known = _pre_parse(argv)
+    tokens = as_flags(DEFAULT_FLAGS, "defaults")
+    if cpu:
+        tokens += as_flags(CPU_FLAGS, "CPU platform")
+    file_flags = load_config_file(known.config) if known.config else {}
+    model = known.model or file_flags.get("model")
+    if model is not None:
+        if model not in PRESETS:
+            raise ConfigError(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
+        flags = dict(PRESETS[model].flags)
+        if "--multi-latent-attention" in argv or file_flags.get("multi-latent-attention") or \
+                file_flags.get("multi_latent_attention"):
+            # MLA replaces the preset's attention: its grouped KV heads mean nothing there (and Megatron-LM
+            # refuses the two together), while the switch could not be taken back on the command line.
+            flags.pop("group-query-attention", None)
+            flags.pop("num-query-groups", None)
+        tokens += as_flags(flags, f"--model {model}")
+    if file_flags:
+        tokens += as_flags(file_flags, f"--config {known.config}")
+    corpus = known.embedded_corpus or file_flags.get("embedded-corpus") or file_flags.get("embedded_corpus")
+    if corpus is not None:
+        tokens += as_flags(embedded_corpus_flags(corpus), f"--embedded-corpus {corpus}")
+    return tokens + list(argv)
+
+
+def embedded_corpus_flags(name: str) -> Dict[str, object]:
+    """Prepare (once, cached; several ranks at once are safe) the embedded corpus and return its data flags."""
+    if name not in EMBEDDED_CORPORA:
+        raise ConfigError(f"unknown --embedded-corpus '{name}'; choose one of: {', '.join(EMBEDDED_CORPORA)}")
+    from .corpus import prepare_stdlib_corpus
+
+    corpus = prepare_stdlib_corpus(os.path.join(cache_root(), "stdlib-corpus"))
+    # megatron's NullTokenizer carries the vocabulary size; the text tokenizer (tokenizer-model) is ours, for
+    # --sample-prompt and the end-of-run summary.
+    return {"data-path": [corpus.prefix], "tokenizer-type": "NullTokenizer", "vocab-size": corpus.vocab_size,
+            "tokenizer-model": corpus.tokenizer_dir}
+
+
+def cache_root() -> str:
+    return os.environ.get("LITESPARK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "litespark-megatron"))
+
+
+# --------------------------------------------------------------------------------------------- resolution
+def resolve_spec(args, user_argv: Sequence[str] = ()) -> None:
+    """--spec NAME -> what Megatron-LM's --spec means: a (module, function) pair, or None for megatron-core's own
+    layer (TE or local by --transformer-impl). A pair given by the user is kept as Megatron-LM keeps it."""
+    spec = args.spec or []
+    if len(spec) == 2:
+        args.litespark_spec = "custom"
+        return
+    if len(spec) != 1 or spec[0] not in SPEC_NAMES:
+        raise ConfigError(f"--spec {' '.join(spec)}: name one of {', '.join(SPEC_NAMES)}, or give a module and a "
+                          "function as Megatron-LM does (--spec my.module my_layer_spec)")
+    name = spec[0]
+    impl = {"stock-te": "transformer_engine", "stock-local": "local"}.get(name)
+    if impl is not None:
+        if args.transformer_impl != impl and "--transformer-impl" in user_argv:
+            raise ConfigError(f"--spec {name} means --transformer-impl {impl}, not {args.transformer_impl}")
+        args.transformer_impl = impl
+    args.litespark_spec = name
+    args.spec = ["litespark_megatron.specs", "litespark_layer_spec"] if name == "litespark" else None
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def preset_values(name: str) -> Dict[str, object]:
+    """A preset's flags as argument names (num_layers=..., swiglu=True, ...), for tools that need a shape only."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --model '{name}'; choose one of: {', '.join(PRESETS)}")
+    return {k.replace("-", "_"): v for k, v in PRESETS[name].flags.items()}
+
+
+def check(args, plat, world: Optional[int] = None) -> None:
+    """The checks Megatron-LM makes with bare asserts (or not at all), with a message that says what to do. Run
+    before Megatron-LM's own validation. `world`: the number of processes (default: WORLD_SIZE)."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, name) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is not set: give the model's shape, or a preset with "
+                              f"--model ({', '.join(PRESETS)})")
+    if args.seq_length is None:
+        raise ConfigError("--seq-length is not set")
+    if args.micro_batch_size is None:
+        raise ConfigError("--micro-batch-size is not set: the sequences per forward pass on one GPU (Megatron-LM "
+                          "has no default for it; --global-batch-size defaults to it x data-parallel size)")
+    if args.lr is None and not args.skip_train:
+        raise ConfigError("--lr is not set: the peak learning rate (Megatron-LM has no default for it)")
+    if not args.skip_train:
+        if args.train_iters is None and args.train_samples is None:
+            raise ConfigError("--train-iters is not set: the number of training steps (or --train-samples)")
+        if args.eval_interval is None and not args.full_validation:
+            raise ConfigError("--eval-interval is not set: the iterations between evaluations (Megatron-LM has no "
+                              "default for it; with --eval-iters 0 it only sizes the validation set, e.g. 1000)")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    world = world or world_size()
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                          f"{args.num_attention_heads} (or give the head size with --kv-channels)")
+    if world % (tp * pp * cp):
+        raise ConfigError(f"world size {world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+                          f"start a multiple of {tp * pp * cp} processes or change the layout")
+    dp, mbs, gbs = world // (tp * pp * cp), args.micro_batch_size, args.global_batch_size
+    if gbs is not None and gbs % (mbs * dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by micro-batch x data-parallel = {mbs} x {dp} = "
+                          f"{mbs * dp}: every data-parallel rank runs whole micro-batches; change the batch sizes or "
+                          f"the layout")
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if args.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if groups % tp:
+        raise ConfigError(f"--num-query-groups (KV heads) {groups} is not divisible by --tensor-model-parallel-size "
+                          f"{tp}: every TP rank holds whole KV heads; use a TP that divides {groups}")
+    if args.num_layers % pp and args.num_layers_per_virtual_pipeline_stage is None:
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.transformer_impl == "transformer_engine" and not plat.te:
+        where = "a CPU" if plat.device_type == "cpu" else "this GPU machine (pip install -e '.[te]')"
+        raise ConfigError(f"--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer Engine, "
+                          f"which is not importable on {where}: use --transformer-impl local")
+    if args.fp8 and not plat.fp8_capable:
+        raise ConfigError("--fp8-format needs a GPU with FP8 tensor cores (compute capability >= 8.9, e.g. "
+                          "H100/H200) and Transformer Engine; use --bf16")
+    if args.litespark_spec == "litespark":
+        llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
+            args.position_embedding_type in ("rope", "none")
+        if not llama:
+            raise ConfigError("--spec litespark computes a Llama layer (RMSNorm, SwiGLU, no biases, RoPE or none): "
+                              "add --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type "
+                              "rope, use a preset (--model), or --spec stock")
+    if args.num_experts:
+        _check_moe(args, plat, world)
+    if args.multi_latent_attention and args.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+    if args.moe_grouped_gemm and not plat.te:
+        raise ConfigError("--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP), not importable here: drop it "
+                          "(the experts then run one after another as megatron-core's SequentialMLP)")
+    if args.multi_latent_attention and args.transformer_impl == "local":
+        if tp > 1:
+            raise ConfigError("--multi-latent-attention with --tensor-model-parallel-size > 1 needs "
+                              "--transformer-impl transformer_engine: without TE, megatron-core splits MLA's down "
+                              "projections over TP and does not sum the gradient of the RoPE key all heads share, so "
+                              "TP trains another model than one GPU (measured: 1e-3 loss drift by step 3)")
+        if args.qk_layernorm and args.q_lora_rank is None:
+            raise ConfigError("--multi-latent-attention with --qk-layernorm on --transformer-impl local needs "
+                              "--q-lora-rank: without query compression megatron-core puts the query norm inside a "
+                              "TE norm+linear, which the local modules do not have")
+    if args.litespark_spec == "stock-local" and cp > 1:
+        raise ConfigError("--context-parallel-size > 1: the stock local spec's attention (megatron-core's "
+                          "DotProductAttention) has no context parallelism; use --spec litespark or stock-te")
+    if not args.mock_data and not args.data_path and not args.train_data_path:
+        raise ConfigError("no data: give --data-path (an indexed dataset; tools/preprocess_data.py makes one), "
+                          "--embedded-corpus stdlib, or --mock-data")
+    if args.tokenizer_type is None:
+        if not args.mock_data:
+            raise ConfigError("no --tokenizer-type: the data's tokenizer, e.g. HuggingFaceTokenizer --tokenizer-model "
+                              "DIR, or NullTokenizer --vocab-size N for pre-tokenized data")
+        args.tokenizer_type = "NullTokenizer"  # mock data: token ids only (Megatron-LM's example does the same)
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size (the model's vocabulary)")
+    if args.save and args.save_interval is None:
+        raise ConfigError("--save needs --save-interval N: the iterations between checkpoints (Megatron-LM also "
+                          "saves when training ends)")
+    if args.sample_prompt is not None:
+        from .sample import why_not
+
+        reason = why_not(args)
+        if reason:
+            raise ConfigError(reason)
+    if args.load and not os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+        same = args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
+        if not same:
+            raise ConfigError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt); point "
+                              "--load at the --save directory of an earlier run (the same directory as --save "
+                              "starts fresh when it holds none yet)")
+    from .legacy import check as check_legacy_checkpoint
+
+    check_legacy_checkpoint(args)
+
+
+def _check_moe(args, plat, world: int) -> None:
+    """An MoE model against the layout: what megatron-core would otherwise find after the process groups exist, or
+    in the first training step."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    e, k = args.num_experts, args.moe_router_topk
+    if not 1 <= k <= e:
+        raise ConfigError(f"--moe-router-topk must be between 1 and --num-experts ({e}), got {k}")
+    if e % ep:
+        raise ConfigError(f"--num-experts {e} is not divisible by --expert-model-parallel-size {ep}: every expert-"
+                          f"parallel rank holds the same number of experts")
+    if world % (etp * ep * pp):
+        raise ConfigError(f"world size {world} is not divisible by expert-TP x EP x PP = {etp} x {ep} x {pp} = "
+                          f"{etp * ep * pp} (the experts' layout); start a multiple of {etp * ep * pp} processes or "
+                          f"lower --expert-model-parallel-size")
+    if tp > 1 and not args.sequence_parallel:
+        raise ConfigError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core's MoE "
+                          "layer refuses to train without it, in the first step: every TP rank would route the "
+                          "same tokens)")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        v = getattr(args, name)
+        if v is not None and v % etp:
+            raise ConfigError(f"--{name.replace('_', '-')} {v} is not divisible by the expert tensor-parallel size "
+                              f"{etp}: every rank holds an equal slice of each expert")
+    if args.moe_token_dispatcher_type == "alltoall" and etp > 1 and plat.device_type == "cpu":
+        raise ConfigError("--moe-token-dispatcher-type alltoall with tensor-parallel experts gathers uneven token "
+                          "counts over the TP group, which gloo (the CPU backend) cannot do: use "
+                          "--moe-token-dispatcher-type allgather here (NCCL on GPUs can)")
+
+
+def megatron_validate(args) -> None:
+    """Megatron-LM's validate_args, its asserts turned into one line (the assert's message, else its source)."""
+    from megatron.training.arguments import validate_args
+
+    try:
+        validate_args(args, {})
+    except (AssertionError, ValueError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else None
+        if message is None:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            message = f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
+        raise ConfigError(f"Megatron-LM refuses these arguments: {message}") from None
+
+
+def model_config_check(args) -> None:
+    """megatron-core's TransformerConfig checks the model's fields (MoE routing, MLA dims, ...) only when the model
+    is built, after the process groups: build it once here, its ValueError as one line."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    try:
+        core_transformer_config_from_args(args)
+    except (AssertionError, ValueError) as e:
+        raise ConfigError(f"the model cannot be built: {str(e).strip().splitlines()[0]}") from None
+
+
+def check_run(args, plat, world: int) -> None:
+    """Every check a run of `world` processes would make before training (check(), Megatron-LM's validation, the
+    model's config), for a run not started yet (launchers, the suites); Megatron-LM's printout is not shown."""
+    import contextlib
+    import io
+
+    from .platform import apply_cpu_shims, te_importable
+
+    apply_cpu_shims()  # validation reads the GPU's architecture; on a CPU-only torch the shims answer for it
+    check(args, plat, world=world)
+    args.world_size = world
+    with contextlib.redirect_stdout(io.StringIO()):
+        megatron_validate(args)
+        model = args
+        if plat.te and not te_importable():
+            # A GPU node assumed from here (launch_check --assume-gpu): TransformerConfig asks TE whether its fused
+            # RoPE exists, which only the node can answer; the rest of the model's checks hold here too.
+            model = argparse.Namespace(**{**vars(args), "apply_rope_fusion": False})
+        model_config_check(model)
+
+
+def resolve(argv: Sequence[str], plat) -> argparse.Namespace:
+    """argv -> Megatron-LM's parsed arguments (presets, --config and platform flags expanded, --spec resolved),
+    not yet checked: what the tools read a model's shape from."""
+    from megatron.training.arguments import parse_args
+
+    tokens = expand(argv, cpu=plat.device_type == "cpu")
+    saved = sys.argv
+    sys.argv = [PROG, *tokens]
+    try:
+        args = parse_args(add_litespark_args)
+        resolve_spec(args, argv)
+    finally:
+        sys.argv = saved
+    return args
+
+
+def resolve_quietly(argv: Sequence[str], plat=None) -> argparse.Namespace:
+    """resolve() for the tools: a bad flag raises ConfigError with argparse's one-line message instead of exiting.
+    Without `plat`, flags resolve as on a CPU (a tool reading a model's shape needs no GPU)."""
+    import contextlib
+    import io
+
+    from .platform import Platform
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return resolve(argv, plat or Platform("cpu", "gloo", False, False, "cpu"))
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if "error:" in line]
+        raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "invalid litespark-train flags") \
+            from None
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
+    """The output layer's rows: Megatron-LM pads the vocabulary to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_vocab_size(args) -> int:
+    """The output layer's rows as megatron.training will build them: its tokenizer's vocabulary (a text tokenizer's
+    own size, --vocab-size for NullTokenizer), padded to a multiple of --make-vocab-size-divisible-by x TP."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    probe = argparse.Namespace(**vars(args))
+    probe.padded_vocab_size, probe.rank = None, 1  # a copy, and no "padded vocab" log line
+    build_tokenizer(probe)
+    return probe.padded_vocab_size
+
+
+def parse(argv: Sequence[str], plat) -> argparse.Namespace:
+    """argv -> megatron.training's validated args, also set as its global args (get_args())."""
+    from megatron.training.global_vars import set_global_variables
+
+    args = resolve(argv, plat)
+    if args.use_checkpoint_args:
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        if args.load is None and args.pretrained_checkpoint is None:
+            raise ConfigError("--use-checkpoint-args needs --load or --pretrained-checkpoint")
+        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        load_args_from_checkpoint(args)
+    check(args, plat)
+    megatron_validate(args)
+    model_config_check(args)
+    set_global_variables(args)
+    return args

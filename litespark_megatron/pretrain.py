@@ -1,0 +1,208 @@
+"""`litespark-train` (also `python -m litespark_megatron`): Megatron-LM's pretrain_gpt.py with the Litespark layer.
+
+The trainer is megatron.training's own `pretrain`: its loop, arguments, checkpoints, signal handling, NaN checks
+(the rerun state machine), async saves, TensorBoard and W&B. What this module adds is what pretrain_gpt.py adds
+to it (the forward step, the loss with its checks, the datasets provider) and the Litespark pieces:
+
+    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 3 gaps)
+               -> arguments.parse                Megatron-LM flags (+ presets, --config, checks) -> get_args()
+               -> data.check                     data and tokenizer checked before any process group
+               -> telemetry.attach               MFU, energy, J/token, metrics.jsonl beside Megatron-LM's logs
+               -> megatron.training.pretrain     model from model.model_config_from_args (the --spec layer)
+               -> [--sample-prompt]              a greedy continuation printed after training
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from functools import partial
+
+_PROGRAM_START_TIME = time.time()
+
+import torch  # noqa: E402
+
+from . import arguments, platform  # noqa: E402
+from .arguments import UserError  # noqa: E402
+
+# Fields of a GPT batch, in the order megatron-core's batch utilities expect them.
+BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
+              "loss_mask", "max_seqlen", "position_ids", "tokens")
+SPIKY_LOSS_FACTOR = 10  # a loss 10x the largest seen so far is spiky (pretrain_gpt.py's definition)
+# Tests inject a NaN loss at a chosen step (1-based) to prove that the run stops on it; unset in real runs.
+_NAN_AT = int(os.environ["LITESPARK_TEST_NAN_AT_STEP"]) if os.environ.get("LITESPARK_TEST_NAN_AT_STEP") else None
+
+
+# --------------------------------------------------------------------------------------------- the step
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch: read on TP rank 0 of the first and last pipeline stages, broadcast over TP, then
+    sliced for this CP rank (megatron-core's load-balanced split). Other stages get None."""
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = next(data_iterator)
+        batch = {key: batch[key].cuda(non_blocking=True) if batch.get(key) is not None else None
+                 for key in BATCH_KEYS}
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+
+
+def loss_func(loss_mask, output_tensor):
+    """Summed loss, token count and the 'lm loss' report (megatron.training averages it over tokens and DP), with
+    pretrain_gpt.py's checks: a NaN or Inf loss is fatal (the rerun state machine tells a transient fault from a
+    reproducible one and stops the run), a spiky loss is reported."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    if _NAN_AT is not None and args.curr_iteration + 1 == _NAN_AT:
+        losses = losses * float("nan")  # test-only fault (LITESPARK_TEST_NAN_AT_STEP): the checks below must stop it
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    rerun = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        rerun.validate_result(result=loss, rejection_func=torch.isnan, tolerance=0.0, fatal=True,
+                              message="found NaN in local forward loss calculation")
+        rerun.validate_result(result=loss, rejection_func=torch.isinf, tolerance=0.0, fatal=True,
+                              message="found Inf in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        rerun.validate_result(result=loss, tolerance=0.0, fatal=False, message="Spiky loss",
+                              rejection_func=partial(rerun.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR,
+                                                     context="loss"))
+    return loss, num_tokens, report
+
+
+_probed = False
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One micro-batch forward. The first one in this process runs under the backend probe (health.py): which
+    attention kernel and fused paths ran is logged once and recorded for the tools."""
+    global _probed
+    from megatron.core.utils import get_attr_wrapped_model
+
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    if batch is None:
+        tokens = position_ids = attention_mask = labels = loss_mask = None
+    else:
+        tokens, position_ids, labels, loss_mask = (batch[k] for k in ("tokens", "position_ids", "labels",
+                                                                      "loss_mask"))
+        attention_mask = batch["attention_mask"]
+    run = partial(model, tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    if _probed:
+        output = run()
+    else:
+        _probed = True
+        output = _probed_forward(run, model)
+    return output, partial(loss_func, loss_mask)
+
+
+def _probed_forward(run, model):
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+
+    from . import health, telemetry
+
+    telemetry.begin()
+    with health.BackendProbe([model]) as probe:
+        output = run()
+    report = probe.report(config=get_model_config(model), requested=health.requested_fusions(get_args()),
+                          device_type=platform.detect().device_type)
+    telemetry.record_health(report)
+    return output
+
+
+# --------------------------------------------------------------------------------------------- the data
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """GPT datasets from --data-path (or megatron-core's mock dataset with --mock-data), built on the ranks that
+    read batches."""
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
+
+    def built_here():
+        return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_here, config).build()
+
+
+datasets_provider.is_distributed = True
+
+
+# --------------------------------------------------------------------------------------------- the run
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, plat = prepare(argv)
+    except UserError as e:
+        print(f"{arguments.PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return train(args, plat)
+
+
+def prepare(argv):
+    """Everything checked before any work: libraries, arguments (then megatron.training's get_args()), data.
+    Raises UserError with one line."""
+    from . import data
+
+    platform.quiet_library_noise()
+    plat = platform.prepare_libraries()
+    args = arguments.parse(argv, plat)
+    data.check(args)
+    return args, plat
+
+
+def train(args, plat) -> int:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain, set_startup_timestamps
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from . import model, sample, telemetry
+
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
+    model_config = model.model_config_from_args(args)
+    if args.sample_prompt is not None:
+        model_config.post_wrap_hooks.append(sample.keep_model)
+    telemetry.attach(args, plat)
+    pretrain(pretrain_cfg_container_from_args(args, model_config), datasets_provider, ModelType.encoder_or_decoder,
+             forward_step)
+    if args.sample_prompt is not None:
+        sample.print_sample(args)
+    telemetry.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

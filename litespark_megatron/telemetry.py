@@ -1,0 +1,357 @@
+"""Telemetry as a plug-in to megatron.training: tokens/s, TFLOP/s and MFU in both conventions, GPU power, energy and
+J/token, memory, and `metrics.jsonl`, beside Megatron-LM's own log line and TensorBoard tags.
+
+`attach()` wraps three functions of megatron.training.training, which its `train()` calls through module globals:
+
+- `training_log` (every iteration): on log iterations, closes the measurement interval (time with a device
+  synchronize, NVML energy of every GPU of the job), writes a "train" record and adds Litespark's TensorBoard tags
+  next to Megatron-LM's (`lm loss`, `learning-rate`, `grad-norm`, `throughput`, ... stay its own);
+- `evaluate`: pauses the interval (evaluation is not training) and records the loss ("val", or "test" when
+  `evaluate_and_print_results`, also wrapped, was asked for the test set);
+- `save_checkpoint_and_time`: pauses the interval and records the save time ("save").
+
+tests/test_telemetry.py fails if megatron.training renames these or stops calling them from train(). One schema
+(docs/metrics.md): every record has "step" and "kind"; None means "not measured", never a number. One
+steady-state definition: an interval is the training time between two log iterations, evaluation and checkpoint
+saves excluded; tools drop the first interval (start-up, compilation). The file and the tags are written by the
+last rank, where megatron.training's TensorBoard writer and the loss are.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .metrics.energy import EnergyMeter
+from .metrics.flops import ModelShape, recompute_from_args, training_flops_per_step
+from .metrics.peaks import PeakError, detect_peak
+
+HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkpoint_and_time")
+TB_PREFIX = "litespark/"
+
+
+def _precision(args) -> str:
+    return "fp8" if args.fp8 else "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
+class Telemetry:
+    def __init__(self, args, plat):
+        self.args = args
+        self.cuda = plat.device_type == "cuda"
+        self.device_name = plat.device_name
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_writer = int(os.environ.get("RANK", "0")) == self.world - 1
+        self.metrics_path = args.metrics_file or _default_metrics_path(args)
+        self._file = None
+        self._t0: Optional[float] = None
+        self._paused_at: Optional[float] = None
+        self._steps = 0
+        self._loss_sum, self._loss_count, self._skipped = None, 0, 0
+        self.first_loss = self.last_loss = self.val = None
+        self.iteration = 0
+        self.total_joules = 0.0
+        self.energy, self.energy_ok = None, False
+        shape = ModelShape.from_args(args, padded_vocab=args.padded_vocab_size)
+        recompute = recompute_from_args(args)
+        gbs = args.global_batch_size
+        self.flops_full = training_flops_per_step(shape, gbs, causal="full", **recompute).model_flops
+        self.flops_causal = training_flops_per_step(shape, gbs, causal="half", **recompute).model_flops
+        self.tokens_per_step = gbs * args.seq_length
+        self.peak, self.peak_note = None, None
+        if self.cuda or args.peak_tflops:
+            precision = _precision(args)
+            try:
+                self.peak = detect_peak(self.device_name if self.cuda else None,
+                                        precision if precision != "fp32" else "tf32", args.peak_tflops)
+            except PeakError as e:
+                self.peak_note = f"MFU not measured: {e}"
+        else:
+            self.peak_note = "MFU not measured: CPU run (no tensor-core peak; --peak-tflops sets one)"
+        self.write(0, "run", dict(
+            world_size=self.world, params=_param_count(shape), flops_per_step_full=self.flops_full,
+            flops_per_step_causal=self.flops_causal, tokens_per_step=self.tokens_per_step, precision=_precision(args),
+            device=self.device_name if self.cuda else "cpu", spec=getattr(args, "litespark_spec", None),
+            transformer_impl=args.transformer_impl))
+
+    def begin(self):
+        """Called before the first forward of the run (megatron has set this rank's device): the first interval
+        starts here, so that it holds the first step (and with it start-up costs: tools drop it)."""
+        if self._t0 is not None:
+            return
+        from megatron.training import get_args
+
+        self.iteration = getattr(get_args(), "iteration", 0) or 0  # > 0 when resumed
+        if self.cuda:
+            self.energy = EnergyMeter()
+            self.energy_ok = self.energy.start()
+        if self.is_writer:
+            for note in (self.peak_note, self.energy_note):
+                if note:
+                    print(note, flush=True)
+        if self.cuda and int(os.environ.get("RANK", "0")) == 0:
+            from .health import te_attention_check
+
+            args = self.args
+            groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+            warning = te_attention_check(args.kv_channels, args.num_attention_heads, groups)
+            if warning:
+                print(f"WARNING: {warning}", flush=True)
+        self._restart()
+
+    @property
+    def energy_note(self) -> Optional[str]:
+        if not self.cuda:
+            return "GPU energy not measured: CPU run"
+        if not self.energy_ok:
+            return f"GPU energy not measured: {self.energy.reason}"
+        return None
+
+    # -- intervals ------------------------------------------------------------------------------------------------
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _restart(self):
+        self._sync()
+        self._t0 = time.perf_counter()
+        self._paused_at = None
+        self._steps = 0
+        self._loss_sum, self._loss_count, self._skipped = None, 0, 0
+        if self.energy_ok:
+            self.energy.lap()  # what ran before this interval (set-up, evaluation, a save) is not counted
+
+    def pause(self):
+        if self._t0 is None or self._paused_at is not None:
+            return
+        self._sync()
+        self._paused_at = time.perf_counter()
+        if self.energy_ok:
+            self.energy.pause()
+
+    def resume(self):
+        if self._paused_at is None:
+            return
+        self._sync()
+        self._t0 += time.perf_counter() - self._paused_at
+        self._paused_at = None
+        if self.energy_ok:
+            self.energy.resume()
+
+    def on_iteration(self, iteration, loss_dict, learning_rate, loss_scale, skipped, grad_norm):
+        if self._t0 is None:
+            self.begin()
+        self.iteration = iteration
+        self._steps += 1
+        if skipped:
+            self._skipped += 1
+        elif "lm loss" in loss_dict:
+            value = loss_dict["lm loss"].detach().float().reshape(-1)[0]
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_count += 1
+        args = self.args
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            self._end_interval(iteration, learning_rate, loss_scale, grad_norm)
+
+    def _end_interval(self, iteration, learning_rate, loss_scale, grad_norm):
+        args = self.args
+        self._sync()
+        seconds = time.perf_counter() - self._t0
+        steps = max(self._steps, 1)
+        tokens = self.tokens_per_step * steps
+        tflops = self.flops_full * steps / seconds / self.world / 1e12
+        tflops_causal = self.flops_causal * steps / seconds / self.world / 1e12
+        loss = float(self._loss_sum.item() / self._loss_count) if self._loss_count else None
+        if loss is not None:
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            self.last_loss = loss
+        record = dict(
+            loss=loss, lr=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale if args.fp16 else None,
+            skipped_in_interval=self._skipped, consumed_samples=args.consumed_train_samples,
+            tokens_seen=args.consumed_train_samples * args.seq_length, steps=steps, step_time_s=seconds / steps,
+            tokens_per_sec=tokens / seconds, tokens_per_sec_per_gpu=tokens / seconds / self.world,
+            tflops_per_gpu=tflops, tflops_per_gpu_causal=tflops_causal,
+            mfu=tflops / self.peak.tflops if self.peak else None,
+            mfu_causal=tflops_causal / self.peak.tflops if self.peak else None,
+            num_gpus=self.world if self.cuda else 0)
+        record.update(self._memory())
+        record.update(self._energy(tokens, seconds))
+        self.write(iteration, "train", record)
+        self._tensorboard(iteration, record)
+        self._restart()
+
+    def _memory(self) -> dict:
+        if self.cuda:
+            stats = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()],
+                                 dtype=torch.float64, device="cuda")
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            torch.cuda.reset_peak_memory_stats()
+            return dict(mem_max_allocated_gb=stats[0].item() / 2**30, mem_reserved_gb=stats[1].item() / 2**30)
+        import psutil
+
+        return dict(host_rss_gb=psutil.Process().memory_info().rss / 2**30)
+
+    def _energy(self, tokens: int, seconds: float) -> dict:
+        none = dict(gpu_power_w=None, joules_per_token=None, energy_kwh_total=None)
+        if not self.cuda:
+            return none
+        reading = self.energy.lap() if self.energy_ok else None
+        # Every rank contributes (joules, 1 if measured): an interval counts only if every GPU measured it.
+        buf = torch.tensor([reading.joules if reading else 0.0, 1.0 if reading else 0.0], dtype=torch.float64,
+                           device="cuda")
+        dist.all_reduce(buf)
+        if buf[1].item() < self.world:
+            return none
+        joules = buf[0].item()
+        self.total_joules += joules
+        return dict(gpu_power_w=joules / seconds / self.world, joules_per_token=joules / tokens,
+                    energy_kwh_total=self.total_joules / 3.6e6)
+
+    # -- records --------------------------------------------------------------------------------------------------
+    def write(self, step: int, kind: str, values: dict) -> None:
+        if not self.is_writer or not self.metrics_path:
+            return
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+            self._file = open(self.metrics_path, "a", buffering=1)  # line-buffered: a crash loses one record
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+
+    def _tensorboard(self, iteration: int, record: dict) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        writer = get_tensorboard_writer() if self.is_writer else None
+        if writer is None:
+            return
+        for key in ("tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "tflops_per_gpu_causal", "mfu",
+                    "mfu_causal", "gpu_power_w", "joules_per_token", "energy_kwh_total", "mem_max_allocated_gb"):
+            value = record.get(key)
+            if value is not None and math.isfinite(value):
+                writer.add_scalar(TB_PREFIX + key.replace("_", "-"), value, iteration)
+
+    def record_eval(self, iteration: int, loss_dict, kind: str) -> None:
+        if "lm loss" not in (loss_dict or {}):
+            return
+        loss = float(loss_dict["lm loss"].item())
+        result = dict(loss=loss, ppl=math.exp(min(loss, 50.0)))
+        if kind == "val":
+            self.val = result
+        self.write(iteration, kind, result)
+
+    def record_health(self, health) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        step = self.iteration + 1
+        self.write(step, "health", health.to_dict())
+        writer = get_tensorboard_writer() if self.is_writer else None
+        if writer is not None:
+            writer.add_text(TB_PREFIX + "health", health.summary(), step)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"what ran: {health.summary()}", flush=True)
+            if health.degraded:
+                print(f"WARNING: this run is DEGRADED: {'; '.join(health.degraded)}", flush=True)
+
+    def finish(self, iteration: int) -> None:
+        summary = dict(iterations=iteration, first_loss=self.first_loss, final_loss=self.last_loss,
+                       val_loss=(self.val or {}).get("loss"), val_ppl=(self.val or {}).get("ppl"),
+                       energy_kwh=self.total_joules / 3.6e6 if self.total_joules else None)
+        self.write(iteration, "run", summary)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.energy is not None:
+            self.energy.close()
+        if self.is_writer:
+            print("summary: " + json.dumps(summary), flush=True)
+
+
+def _param_count(shape: ModelShape) -> int:
+    from .metrics.flops import param_count
+
+    return param_count(shape).total
+
+
+def _default_metrics_path(args) -> Optional[str]:
+    if args.save:
+        return os.path.join(args.save, "metrics.jsonl")
+    if args.tensorboard_dir:
+        return os.path.join(os.path.dirname(os.path.abspath(args.tensorboard_dir)), "metrics.jsonl")
+    return None
+
+
+# --------------------------------------------------------------------------------------------- the hooks
+_telemetry: Optional[Telemetry] = None
+
+
+def attach(args, plat) -> Telemetry:
+    """Wrap megatron.training's training_log, evaluate and save_checkpoint_and_time (once per process)."""
+    global _telemetry
+    from megatron.training import training
+
+    _telemetry = Telemetry(args, plat)
+    if getattr(training.training_log, "__litespark__", False):
+        return _telemetry
+    original_log, original_eval_print, original_eval, original_save = (getattr(training, n) for n in HOOKED)
+    eval_kind = ["val"]
+
+    @functools.wraps(original_log)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, *rest, **kwargs):
+        result = original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                              skipped_iter, grad_norm, *rest, **kwargs)
+        _telemetry.on_iteration(iteration, loss_dict, learning_rate, loss_scale, skipped_iter, grad_norm)
+        return result
+
+    @functools.wraps(original_eval_print)
+    def evaluate_and_print_results(prefix, *a, **k):
+        eval_kind[0] = "test" if "test set" in str(prefix) else "val"
+        try:
+            return original_eval_print(prefix, *a, **k)
+        finally:
+            eval_kind[0] = "val"
+
+    @functools.wraps(original_eval)
+    def evaluate(*a, **k):
+        _telemetry.pause()
+        try:
+            result = original_eval(*a, **k)
+        finally:
+            _telemetry.resume()
+        if result and result[0]:
+            _telemetry.record_eval(_telemetry.iteration, result[0], eval_kind[0])
+        return result
+
+    @functools.wraps(original_save)
+    def save_checkpoint_and_time(iteration, *a, **k):
+        _telemetry.pause()
+        t0 = time.perf_counter()
+        try:
+            return original_save(iteration, *a, **k)
+        finally:
+            _telemetry.write(iteration, "save", dict(seconds=time.perf_counter() - t0))
+            _telemetry.resume()
+
+    for name, fn in zip(HOOKED, (training_log, evaluate_and_print_results, evaluate, save_checkpoint_and_time)):
+        fn.__litespark__ = True
+        setattr(training, name, fn)
+    return _telemetry
+
+
+def begin() -> None:
+    if _telemetry is not None:
+        _telemetry.begin()
+
+
+def record_health(health) -> None:
+    if _telemetry is not None:
+        _telemetry.record_health(health)
+
+
+def finish() -> None:
+    if _telemetry is not None:
+        _telemetry.finish(_telemetry.iteration)

@@ -1,0 +1,163 @@
+"""litespark-train's command line: Megatron-LM's parser and defaults, presets and --config files read as flags,
+--spec names, and one clear error for each configuration that cannot run (checked before any process group)."""
+import argparse
+
+import pytest
+
+from litespark_megatron import arguments
+from litespark_megatron.arguments import PRESETS, ConfigError
+from litespark_megatron.platform import Platform
+
+CPU = Platform("cpu", "gloo", False, False, "cpu")
+GPU_TE = Platform("cuda", "nccl", True, True, "NVIDIA H200")
+
+
+def resolve(argv, plat=CPU):
+    return arguments.resolve(argv, plat)
+
+
+def check(argv, plat=CPU):
+    args = resolve(argv, plat)
+    arguments.check(args, plat)
+    return args
+
+
+RUN = ["--train-iters", "2", "--eval-interval", "10"]
+TINY = ["--model", "tiny", "--mock-data", "--lr", "1e-3", "--micro-batch-size", "2", "--train-iters", "2",
+        "--eval-interval", "10"]
+
+
+def test_presets_are_megatron_lm_flags_of_llama_shapes():
+    args = resolve(["--model", "llama-3b"])
+    assert (args.hidden_size, args.num_layers, args.ffn_hidden_size, args.num_attention_heads,
+            args.num_query_groups, args.vocab_size) == (3072, 28, 8192, 24, 8, 128256)
+    assert args.group_query_attention and args.swiglu and args.normalization == "RMSNorm"
+    assert not args.add_bias_linear and args.position_embedding_type == "rope" and args.hidden_dropout == 0.0
+    mha = resolve(["--model", "llama-30b"])
+    assert not mha.group_query_attention  # 52 KV heads = MHA: no --group-query-attention
+    for name in PRESETS:
+        check(["--model", name, "--mock-data", "--lr", "1e-3", *RUN])
+
+
+def test_megatron_lm_defaults_stay_where_nothing_is_given():
+    """A flag the preset and the command line leave alone has Megatron-LM's default (here: its dropout, weight
+    decay, betas, LR decay and tying, which litespark-train's own trainer used to change)."""
+    args = resolve(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"])
+    assert (args.hidden_dropout, args.weight_decay, args.adam_beta2, args.lr_decay_style) == (0.1, 0.01, 0.999,
+                                                                                            "linear")
+    assert args.untie_embeddings_and_output_weights is False and args.normalization == "LayerNorm"
+
+
+def test_flags_win_over_config_file_over_preset(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: llama-3b\nnum-layers: 4\nlr: 0.001\nsequence_parallel: true\nbf16: true\n"
+                   "data-path: [0.7, a, 0.3, b]\n")
+    args = resolve(["--config", str(cfg), "--lr", "0.002"])
+    assert args.hidden_size == 3072 and args.num_layers == 4  # preset, then file
+    assert args.lr == 0.002 and args.sequence_parallel is True and args.bf16 is True  # flag beats file
+    assert args.data_path == ["0.7", "a", "0.3", "b"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nmu-layers: 4\n", "unknown flag 'nmu-layers'"),
+    ("bf16: 'false'\n", "'bf16' is a switch: write true or false, not 'false'"),
+    ("lr: true\n", "'lr' takes a value"),
+    ("seq-length: [1, 2]\n", "'seq-length' takes one value, not a list"),
+    ("- 1\n- 2\n", "expected a mapping of flag names to values, got a list"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_config_file_errors(tmp_path, text, message):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=None) as e:
+        resolve(["--config", str(cfg)])
+    assert message in str(e.value)
+
+
+def test_config_file_values_are_typed_as_on_the_command_line(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("micro-batch-size: 2.5\n")
+    with pytest.raises(SystemExit) as e:
+        resolve(["--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["litespark-train: error: argument --micro-batch-size: invalid int value: '2.5'"]
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_spec_names():
+    lit = resolve(["--model", "tiny"])
+    assert lit.spec == ["litespark_megatron.specs", "litespark_layer_spec"] and lit.litespark_spec == "litespark"
+    stock = resolve(["--model", "tiny", "--spec", "stock-local"])
+    assert stock.spec is None and stock.transformer_impl == "local"
+    custom = resolve(["--model", "tiny", "--spec", "my.module", "my_spec"])
+    assert custom.spec == ["my.module", "my_spec"] and custom.litespark_spec == "custom"
+    with pytest.raises(ConfigError, match="--spec nope: name one of litespark, stock, stock-te, stock-local"):
+        resolve(["--model", "tiny", "--spec", "nope"])
+    with pytest.raises(ConfigError, match="--spec stock-te means --transformer-impl transformer_engine, not local"):
+        resolve(["--model", "tiny", "--spec", "stock-te", "--transformer-impl", "local"], GPU_TE)
+
+
+def test_cpu_platform_flags_and_gpu_defaults():
+    cpu = resolve(["--model", "tiny"])
+    assert (cpu.distributed_backend, cpu.transformer_impl, cpu.gradient_accumulation_fusion,
+            cpu.apply_rope_fusion) == ("gloo", "local", False, False)
+    gpu = resolve(["--model", "tiny"], GPU_TE)
+    assert (gpu.distributed_backend, gpu.transformer_impl, gpu.gradient_accumulation_fusion,
+            gpu.apply_rope_fusion) == ("nccl", "transformer_engine", True, True)
+
+
+def test_mla_replaces_the_presets_grouped_query_attention():
+    args = resolve(["--model", "tiny", "--multi-latent-attention"])
+    assert args.multi_latent_attention and not args.group_query_attention
+
+
+@pytest.mark.parametrize("argv, world, plat, message", [
+    (["--tensor-model-parallel-size", "2"], 3, CPU, "world size 3 is not divisible by TP x PP x CP = 2 x 1 x 1"),
+    (["--tensor-model-parallel-size", "8"], 8, CPU, "--num-attention-heads 4 is not divisible"),
+    (["--model", "llama-3b", "--tensor-model-parallel-size", "3"], 3, CPU, "--num-query-groups (KV heads) 8 is not"),
+    (["--pipeline-model-parallel-size", "3"], 3, CPU, "--num-layers 4 is not divisible by --pipeline-model"),
+    (["--transformer-impl", "transformer_engine"], 1, CPU, "needs Transformer Engine, which is not importable on "
+     "a CPU: use --transformer-impl local"),
+    (["--fp8-format", "hybrid"], 1, CPU, "--fp8-format needs a GPU with FP8 tensor cores"),
+    (["--spec", "stock-local", "--context-parallel-size", "2"], 2, CPU, "the stock local spec's attention"),
+    (["--normalization", "LayerNorm"], 1, CPU, "--spec litespark computes a Llama layer"),
+    (["--save", "ckpt"], 1, CPU, "--save needs --save-interval N"),
+    (["--sample-prompt", "def "], 1, CPU, "--sample-prompt needs a text tokenizer"),
+    (["--sample-prompt", "def ", "--pipeline-model-parallel-size", "2"], 2, CPU,
+     "--sample-prompt runs without pipeline, context or sequence parallelism"),
+])
+def test_bad_configuration_is_refused(argv, world, plat, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError) as e:
+        check(TINY + argv, plat)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny", "--mock-data"], "--lr is not set"),
+    (["--model", "tiny", "--mock-data", "--lr", "1e-3"], "--train-iters is not set"),
+    (["--model", "tiny", "--mock-data", "--lr", "1e-3", "--train-iters", "2"], "--eval-interval is not set"),
+    (["--model", "tiny", "--lr", "1e-3", *RUN], "no data: give --data-path"),
+    (["--num-layers", "2", "--hidden-size", "64", "--mock-data", "--lr", "1"], "--num-attention-heads is not set"),
+    (["--model", "tiny", "--lr", "1e-3", "--data-path", "x", *RUN], "no --tokenizer-type"),
+])
+def test_missing_settings_are_named(argv, message):
+    with pytest.raises(ConfigError) as e:
+        check(argv)
+    assert message in str(e.value)
+
+
+def test_megatron_lm_asserts_become_one_line():
+    args = resolve(TINY + ["--save", "ckpt"])
+    with pytest.raises(ConfigError) as e:
+        arguments.megatron_validate(args)  # Megatron-LM asserts a --save-interval, without a message
+    assert str(e.value).startswith("Megatron-LM refuses these arguments: assert args.save_interval is not None")
+
+
+def test_litespark_flags_are_in_the_help():
+    text = arguments.full_parser().format_help()
+    for flag in ("--model", "--config", "--embedded-corpus", "--metrics-file", "--peak-tflops", "--sample-prompt"):
+        assert flag in text
+    assert isinstance(arguments.full_parser(), argparse.ArgumentParser)

@@ -1,0 +1,81 @@
+"""telemetry.py: where it attaches to megatron.training (a change there must fail here), and what it writes."""
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ok, records, train
+from litespark_megatron import telemetry
+
+
+def test_megatron_training_still_calls_the_hooked_functions():
+    """attach() replaces module globals of megatron.training.training that train() and pretrain() call by name;
+    the wrappers pass their arguments through by position. If megatron.training renames one, stops calling it
+    from its loop, or reorders training_log's first arguments, telemetry would go silent: this fails instead."""
+    from megatron.training import training
+
+    train_source = inspect.getsource(training.train)
+    for name in ("training_log(", "evaluate_and_print_results(", "save_checkpoint_and_time("):
+        assert name in train_source, name
+    assert "total_loss_dict, collected_non_loss_data, timelimit = evaluate(" in \
+        inspect.getsource(training.evaluate_and_print_results)
+    assert "return total_loss_dict, collected_non_loss_data, False" in inspect.getsource(training.evaluate)
+    assert list(inspect.signature(training.training_log).parameters)[:8] == [
+        "loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale", "report_memory_flag",
+        "skipped_iter", "grad_norm"]
+    assert list(inspect.signature(training.save_checkpoint_and_time).parameters)[0] == "iteration"
+    assert list(inspect.signature(training.evaluate_and_print_results).parameters)[0] == "prefix"
+    for name in telemetry.HOOKED:
+        assert callable(getattr(training, name)), name
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = (value, step)
+
+
+def test_tensorboard_tags_are_written_for_measured_values_only(monkeypatch):
+    """The project's tags sit beside Megatron-LM's under litespark/; a value that was not measured (None) gets no
+    point, never a number (GPU energy here comes from a GPU run's record)."""
+    from megatron.training import global_vars
+
+    writer = _Writer()
+    monkeypatch.setattr(global_vars, "get_tensorboard_writer", lambda: writer)
+    t = SimpleNamespace(is_writer=True)
+    record = dict(tokens_per_sec=1000.0, tokens_per_sec_per_gpu=500.0, tflops_per_gpu=400.0,
+                  tflops_per_gpu_causal=380.0, mfu=0.4, mfu_causal=0.38, gpu_power_w=650.0, joules_per_token=0.02,
+                  energy_kwh_total=None, mem_max_allocated_gb=float("nan"))
+    telemetry.Telemetry._tensorboard(t, 7, record)
+    assert writer.scalars == {
+        "litespark/tokens-per-sec": (1000.0, 7), "litespark/tokens-per-sec-per-gpu": (500.0, 7),
+        "litespark/tflops-per-gpu": (400.0, 7), "litespark/tflops-per-gpu-causal": (380.0, 7),
+        "litespark/mfu": (0.4, 7), "litespark/mfu-causal": (0.38, 7), "litespark/gpu-power-w": (650.0, 7),
+        "litespark/joules-per-token": (0.02, 7)}
+
+
+MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "4",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "4", "--log-interval", "2", "--eval-iters",
+        "1", "--eval-interval", "2", "--save-interval", "2", "--split", "8,1,1"]
+
+
+def test_metrics_file_schema(tmp_path):
+    """One record per log interval, evaluation, test, save and run; every value measured or null; the intervals
+    exclude evaluation and saves (their time is in their own records)."""
+    ok(train(1, *MOCK, "--save", tmp_path / "run", "--peak-tflops", "1"))
+    rows = records(tmp_path / "run" / "metrics.jsonl")
+    assert [r["kind"] for r in rows] == ["run", "health", "train", "val", "save", "train", "val", "save", "val",
+                                         "test", "run"]
+    start, end = rows[0], rows[-1]
+    assert start["tokens_per_step"] == 4 * 32 and start["spec"] == "litespark" and start["params"] > 0
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    for r in train_rows:
+        assert r["steps"] == 2 and r["tokens_per_sec"] == pytest.approx(2 * 128 / (2 * r["step_time_s"]))
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1.0)  # --peak-tflops 1
+        assert r["gpu_power_w"] is None and r["joules_per_token"] is None and r["num_gpus"] == 0  # CPU
+    saves = [r for r in rows if r["kind"] == "save"]
+    assert all(r["seconds"] > 0 for r in saves)
+    assert end["iterations"] == 4 and end["final_loss"] == train_rows[-1]["loss"]
+    assert end["val_loss"] == [r for r in rows if r["kind"] == "val"][-1]["loss"]
