@@ -308,6 +308,13 @@ def check(args, plat, world: Optional[int] = None) -> None:
         where = "a CPU" if plat.device_type == "cpu" else "this GPU machine (pip install -e '.[te]')"
         raise ConfigError(f"--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer Engine, "
                           f"which is not importable on {where}: use --transformer-impl local")
+    if args.transformer_impl == "local" and args.litespark_spec in ("stock", "stock-local") and \
+            not args.no_persist_layer_norm:
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if not gpt_layer_specs.HAVE_APEX:  # megatron-core's stock local layer then norms with torch, which asserts
+            raise ConfigError("megatron-core's local layer without Apex uses torch's LayerNorm, which has no "
+                              "persistent kernel: add --no-persist-layer-norm")
     if args.fp8 and not plat.fp8_capable:
         raise ConfigError("--fp8-format needs a GPU with FP8 tensor cores (compute capability >= 8.9, e.g. "
                           "H100/H200) and Transformer Engine; use --bf16")

@@ -238,7 +238,8 @@ def check_shape(flags: List[str]):
     from . import arguments
     from .platform import Platform
 
-    args = resolve_quietly(flags + ["--spec", "litespark", "--transformer-impl", "local"])
+    # The shape only: each system's micro-batch comes later (a placeholder satisfies the check).
+    args = resolve_quietly(["--micro-batch-size", "1"] + flags + ["--spec", "litespark", "--transformer-impl", "local"])
     arguments.check(args, Platform("cpu", "gloo", False, False, "cpu"))
     head_dim = args.hidden_size // args.num_attention_heads
     if head_dim % 2:  # RoPE rotates pairs of channels; every system would fail on its first step

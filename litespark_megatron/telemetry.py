@@ -252,7 +252,10 @@ class Telemetry:
         if writer is not None:
             writer.add_text(TB_PREFIX + "health", health.summary(), step)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"what ran: {health.summary()}", flush=True)
+            args = self.args
+            print(f"what ran: {health.summary()} | spec {args.litespark_spec}, "
+                  f"transformer-impl {args.transformer_impl}, {_precision(args)}, "
+                  f"{self.device_name if self.cuda else 'cpu'}", flush=True)
             if health.degraded:
                 print(f"WARNING: this run is DEGRADED: {'; '.join(health.degraded)}", flush=True)
 

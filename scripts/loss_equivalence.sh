@@ -110,7 +110,7 @@ start_run() {
     cmd=("$PY" -m litespark_megatron)
   fi
   # The run's own flags last: they win over the shared arguments (what differs between runs is the point).
-  cmd+=("${COMMON[@]}" "$@" "${extra[@]}" --tensorboard-dir "$dir")
+  cmd+=("${COMMON[@]}" "$@" "${extra[@]}" --tensorboard-dir "$dir/tb" --metrics-file "$dir/metrics.jsonl")
   if [ "$CONCURRENT" -gt 1 ]; then
     for ((d = slot * NPROC; d < (slot + 1) * NPROC; d++)); do gpus+="${gpus:+,}$d"; done
   fi

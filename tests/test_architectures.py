@@ -175,7 +175,7 @@ def test_core_attention_with_mla_head_dims():
     (MOE + ["--moe-router-topk", "1"], 1, "Please use --moe-router-pre-softmax when topk is 1"),
     (MOE + ["--moe-grouped-gemm"], 1, "--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP)"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
-     "Number of experts should be a multiple of expert model parallel_size"),
+     "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--expert-model-parallel-size", "2"], 2, "num_experts must be non None to use expert model parallelism"),
     (MOE + ["--expert-model-parallel-size", "4"], 2,
      "world size 2 is not divisible by expert-TP x EP x PP = 1 x 4 x 1"),

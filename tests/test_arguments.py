@@ -22,7 +22,13 @@ def check(argv, plat=CPU):
     return args
 
 
-RUN = ["--train-iters", "2", "--eval-interval", "10"]
+def _have_apex() -> bool:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return gpt_layer_specs.HAVE_APEX
+
+
+RUN = ["--micro-batch-size", "2", "--train-iters", "2", "--eval-interval", "10"]
 TINY = ["--model", "tiny", "--mock-data", "--lr", "1e-3", "--micro-batch-size", "2", "--train-iters", "2",
         "--eval-interval", "10"]
 
@@ -123,6 +129,9 @@ def test_mla_replaces_the_presets_grouped_query_attention():
     (["--fp8-format", "hybrid"], 1, CPU, "--fp8-format needs a GPU with FP8 tensor cores"),
     (["--spec", "stock-local", "--context-parallel-size", "2"], 2, CPU, "the stock local spec's attention"),
     (["--normalization", "LayerNorm"], 1, CPU, "--spec litespark computes a Llama layer"),
+    pytest.param(["--spec", "stock-local"], 1, GPU_TE, "megatron-core's local layer without Apex uses torch's "
+                 "LayerNorm, which has no persistent kernel: add --no-persist-layer-norm",
+                 marks=pytest.mark.skipif(_have_apex(), reason="with Apex the stock local layer persists its norm")),
     (["--save", "ckpt"], 1, CPU, "--save needs --save-interval N"),
     (["--sample-prompt", "def "], 1, CPU, "--sample-prompt needs a text tokenizer"),
     (["--sample-prompt", "def ", "--pipeline-model-parallel-size", "2"], 2, CPU,
@@ -136,9 +145,11 @@ def test_bad_configuration_is_refused(argv, world, plat, message, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "tiny", "--mock-data"], "--lr is not set"),
-    (["--model", "tiny", "--mock-data", "--lr", "1e-3"], "--train-iters is not set"),
-    (["--model", "tiny", "--mock-data", "--lr", "1e-3", "--train-iters", "2"], "--eval-interval is not set"),
+    (["--model", "tiny", "--mock-data"], "--micro-batch-size is not set"),
+    (["--model", "tiny", "--mock-data", "--micro-batch-size", "2"], "--lr is not set"),
+    (["--model", "tiny", "--mock-data", "--micro-batch-size", "2", "--lr", "1e-3"], "--train-iters is not set"),
+    (["--model", "tiny", "--mock-data", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2"],
+     "--eval-interval is not set"),
     (["--model", "tiny", "--lr", "1e-3", *RUN], "no data: give --data-path"),
     (["--num-layers", "2", "--hidden-size", "64", "--mock-data", "--lr", "1"], "--num-attention-heads is not set"),
     (["--model", "tiny", "--lr", "1e-3", "--data-path", "x", *RUN], "no --tokenizer-type"),

@@ -36,23 +36,23 @@ def stock(*flags):
 
 def test_litespark_checkpoint_resumes_in_megatron_lm_and_back(tmp_path):
     """Saved by litespark-train at step 2, resumed by the plain script (and the other way round): steps 3 and 4
-    give what an uninterrupted run gives (the Litespark layer and megatron-core's compute the same function, in
-    other kernels: 1e-5)."""
-    straight = tmp_path / "straight.jsonl"
-    ok(train(1, *LLAMA, *RUN, "--metrics-file", straight))
-    reference = losses(straight)
-    lit = tmp_path / "lit"
-    ok(train(1, *LLAMA, *RUN, "--save", lit, "--exit-interval", "2"))
-    proc, resumed = stock("--load", lit, "--save", tmp_path / "lit-then-stock")
+    give what the saving run itself gave after step 2 (the Litespark layer and megatron-core's compute the same
+    function, in other kernels: 1e-5). Each saving run trains 4 steps straight and saves at 2 and 4; the resuming
+    run loads step 2 with Megatron-LM's --ckpt-step."""
+    lit, lit_metrics = tmp_path / "lit", tmp_path / "lit.jsonl"
+    ok(train(1, *LLAMA, *RUN, "--save", lit, "--save-interval", "2", "--metrics-file", lit_metrics))
+    reference = losses(lit_metrics)
+    proc, resumed = stock("--load", lit, "--ckpt-step", "2", "--save", tmp_path / "lit-then-stock")
     assert "successfully loaded checkpoint" in proc.stdout and sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert abs(resumed[step] - reference[step]) < 1e-5, (step, resumed, reference)
 
     stock_ckpt = tmp_path / "stock"
-    stock("--save", stock_ckpt, "--exit-interval", "2")
-    _, stock_straight = stock()
+    _, stock_straight = stock("--save", stock_ckpt, "--save-interval", "2")
+    assert (stock_ckpt / "iter_0000002").is_dir() and sorted(stock_straight) == [1, 2, 3, 4]
     back = tmp_path / "back.jsonl"
-    ok(train(1, *LLAMA, *RUN, "--load", stock_ckpt, "--save", tmp_path / "stock-then-lit", "--metrics-file", back))
+    ok(train(1, *LLAMA, *RUN, "--load", stock_ckpt, "--ckpt-step", "2", "--save", tmp_path / "stock-then-lit",
+             "--metrics-file", back))
     again = losses(back)
     assert sorted(again) == [3, 4]
     for step in (3, 4):

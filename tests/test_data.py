@@ -304,7 +304,7 @@ BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 10], lambda: True, config).bu
 print("BUILT")
 """
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=15,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 

@@ -169,13 +169,18 @@ def test_compiled_rope_matches_reference_on_a_gpu_without_te(dtype, monkeypatch)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TE's fused RoPE runs on CUDA only")
 def test_rope_fusion_follows_te_and_the_flag_on_both_backends():
+    """Megatron-LM's own RoPE-fusion setting (on unless --no-rope-fusion; validation turns it off where TE has no
+    fused RoPE) reaches the model config on both backends, which the Litespark layer follows."""
     pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
-    from litespark_megatron.config import resolve
-    from litespark_megatron.model import transformer_config
+    from megatron.training.arguments import core_transformer_config_from_args
 
-    for backend in ("te", "local"):
-        assert transformer_config(resolve(["--model", "tiny", "--bf16"]), backend, "cuda").apply_rope_fusion
-        assert not transformer_config(resolve(["--model", "tiny", "--bf16", "--no-rope-fusion"]), backend,
-                                      "cuda").apply_rope_fusion
-    stock_local = resolve(["--model", "tiny", "--bf16", "--spec", "stock-local"])
-    assert not transformer_config(stock_local, "local", "cuda").apply_rope_fusion  # stock stays stock
+    from litespark_megatron import arguments, platform
+
+    plat = platform.detect()
+    run = ["--model", "tiny", "--bf16", "--mock-data", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters",
+           "1", "--eval-interval", "1"]
+    for impl in ("transformer_engine", "local"):
+        for extra, fused in (([], True), (["--no-rope-fusion"], False)):
+            args = arguments.resolve(run + ["--transformer-impl", impl, *extra], plat)
+            arguments.megatron_validate(args)
+            assert core_transformer_config_from_args(args).apply_rope_fusion is fused, (impl, extra)

@@ -64,7 +64,7 @@ def test_a_failing_run_stops_the_script(tmp_path, concurrent):
     assert proc.returncode == 2
     assert "loss_equivalence.sh: error: run 'b' failed (log: " in proc.stderr
     assert "world size 1 is not divisible by TP" in proc.stderr
-    assert "done: 4 steps" in (tmp_path / "eq" / "a.log").read_text()     # its wave-mate ran to the end
+    assert 'summary: {"iterations": 4,' in (tmp_path / "eq" / "a.log").read_text()  # its wave-mate ran to the end
 
 
 def test_concurrent_waves_place_each_run_on_its_own_gpus(tmp_path):

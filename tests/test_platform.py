@@ -20,7 +20,7 @@ FAILURES = {
     "dev": (1, [], "pipeline_model parallel group is not initialized", "get_pipeline_model_parallel_group"),
     "rng": (1, [], "Found no NVIDIA driver", "model_parallel_cuda_manual_seed"),
     "misc": (1, [], "Found no NVIDIA driver", "megatron/core/timers.py"),
-    "mode": (1, [], "Found no NVIDIA driver", "_warmup_jit_function"),
+    "mode": (1, [], "Found no NVIDIA driver", "program_start_global = torch.tensor("),
     "streams": (1, MOE, "", "token_dispatcher.py"),
     "spnorm": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--spec", "stock-local"],
                "sequence parallel not supported by torch LayerNorm", "torch_norm.py"),
@@ -30,7 +30,19 @@ FAILURES = {
 
 
 def test_every_shim_has_a_scenario():
-    assert set(FAILURES) == set(platform.ALL_SHIMS)
+    assert set(FAILURES) | {"jit"} == set(platform.ALL_SHIMS)
+
+
+def test_jit_shim_skips_only_a_warm_up():
+    """`jit` is a cost, not a failure: megatron.training's set_jit_fusion_options does nothing on torch >= 2.2 but
+    warm up torch.compile'd fusions (C++ compilation on a CPU), and pretrain reaches it by its module-global name.
+    If megatron starts doing more there, or calls it another way, this fails and the shim needs a new look."""
+    from megatron.training import initialize, training
+
+    source = inspect.getsource(initialize.set_jit_fusion_options)
+    assert "pass  # we're using torch.compile for jit fusion" in source
+    assert source.rstrip().endswith("_warmup_jit_function(tp_size=tp_size)"), source
+    assert "set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)" in inspect.getsource(training.pretrain)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims: on a GPU megatron.training needs none")
@@ -54,6 +66,9 @@ def test_shims_are_idempotent_and_selectable(py):
             "assert a == b and torch.cuda.current_device is f, (a, b); print(','.join(a))")
     proc = py("-c", code, LITESPARK_CPU_SHIMS="dev,misc")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if torch.cuda.is_available():  # never on a machine with CUDA, whatever is asked
+        assert proc.stdout.strip() == "", proc.stdout
+        return
     assert proc.stdout.strip().splitlines()[-1] == "dev,misc"
     proc = py("-c", "from litespark_megatron import platform as p; p.apply_cpu_shims()", LITESPARK_CPU_SHIMS="dev,gpu")
     assert proc.returncode != 0 and "unknown shim(s) ['gpu']" in proc.stderr
@@ -100,6 +115,9 @@ parallel_state.initialize_model_parallel(1, 1)
 kernel = platform.provide_wgrad_accumulation_kernel()
 print("KERNEL", kernel)
 if kernel is not None:
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(0)  # the linear's weight init forks the model-parallel RNG stream
     cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, bf16=True,
                             params_dtype=torch.bfloat16, gradient_accumulation_fusion=True)
     linear = ColumnParallelLinear(256, 384, config=cfg, init_method=torch.nn.init.normal_, bias=False,

@@ -17,8 +17,8 @@ def test_quickstart_short(tmp_path):
                 "--save", save, "--tensorboard-dir", save / "tb"], timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    # Megatron-LM's own progress line, once per log interval.
-    assert [int(m) for m in re.findall(r"iteration +(\d+)/ +60 \|", out)] == [10, 20, 30, 40, 50, 60]
+    # Megatron-LM's own progress line: after the first step, then once per log interval.
+    assert [int(m) for m in re.findall(r"iteration +(\d+)/ +60 \|", out)] == [1, 10, 20, 30, 40, 50, 60]
     assert re.search(r"\| lm loss: [0-9.E+-]+ \|", out) and "throughput per GPU (TFLOP/s/GPU)" in out
     assert re.search(r"^what ran: attention .*\| spec litespark", out, re.M), out[:3000]
     summary = json.loads(out.split("summary: ", 1)[1].splitlines()[0])
@@ -50,12 +50,14 @@ def test_quickstart_short(tmp_path):
     acc = EventAccumulator(str(events))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("lm loss", "learning-rate", "grad-norm", "lm loss validation", "lm loss validation ppl",
+    for tag in ("lm loss", "learning-rate", "grad-norm", "throughput", "lm loss validation", "lm loss validation ppl",
                 "litespark/tokens-per-sec", "litespark/tflops-per-gpu", "litespark/tflops-per-gpu-causal"):
         assert tag in tags, (tag, sorted(tags))
     assert "litespark/mfu" not in tags and "litespark/gpu-power-w" not in tags  # not measured: no point at all
     assert [e.step for e in acc.Scalars("litespark/tokens-per-sec")] == [10, 20, 30, 40, 50, 60]
     # Megatron-LM checkpoints, and the sample.
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
-    assert (save / "iter_0000030" / "metadata.json").is_file() and (save / "iter_0000060" / "common.pt").is_file()
+    for step in ("0000030", "0000060"):  # torch_dist: Megatron-LM's metadata and one shard per rank
+        files = {p.name for p in (save / f"iter_{step}").iterdir()}
+        assert {"metadata.json", "__0_0.distcp"} <= files, files
     assert re.search(r"^sample \(\d+ tokens after 'def '\):", out, re.M), out[-2000:]

@@ -25,9 +25,11 @@ def test_resume_is_bit_exact(tmp_path, nproc, layout):
     assert "what ran: attention torch SDPA FlashAttention (CPU); fused: cross-entropy off, RoPE unfused, " \
            "wgrad-accumulation off" in first.stdout
     assert [r["degraded"] for r in records(straight / "metrics.jsonl", "health")] == [[]]
-    ok(train(nproc, *MOCK, *layout, "--save", halves, "--exit-interval", "3"))
+    # One requeue-able command, as in Megatron-LM: --save X --load X trains from scratch while X holds no
+    # checkpoint, and resumes once it does.
+    ok(train(nproc, *MOCK, *layout, "--save", halves, "--load", halves, "--exit-interval", "3"))
     assert (halves / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    resumed = ok(train(nproc, *MOCK, *layout, "--load", halves, "--save", halves))
+    resumed = ok(train(nproc, *MOCK, *layout, "--save", halves, "--load", halves))
     assert "successfully loaded checkpoint" in resumed.stdout
     a, b = losses(straight / "metrics.jsonl"), losses(halves / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
@@ -35,29 +37,24 @@ def test_resume_is_bit_exact(tmp_path, nproc, layout):
 
 
 def test_checkpoint_reshards_tp2_to_tp1_and_pp2(tmp_path):
-    """A TP2 checkpoint (model, optimizer, scheduler) resumes under TP1 and PP2 with the loss TP2 itself continues
-    with (layouts differ only in summation order: 1e-5)."""
+    """A TP2 checkpoint (model, optimizer, scheduler) of step 2 resumes under TP1 and PP2 with the step-3 loss the
+    TP2 run itself had (layouts differ only in summation order: 1e-5). The TP2 run trains 4 steps and saves at 2
+    and 4; the resuming runs load step 2 with Megatron-LM's --ckpt-step."""
     tp2 = tmp_path / "tp2"
     flags = MOCK + ["--train-iters", "4"]
-    ok(train(2, *flags, "--tensor-model-parallel-size", "2", "--save", tp2, "--exit-interval", "2"))
-    ok(train(2, *flags, "--tensor-model-parallel-size", "2", "--load", tp2, "--save", tmp_path / "tp2b",
-             "--metrics-file", tmp_path / "tp2b.jsonl"))
-    expected = losses(tmp_path / "tp2b.jsonl")[3]
+    ok(train(2, *flags, "--tensor-model-parallel-size", "2", "--save", tp2, "--save-interval", "2"))
+    expected = losses(tp2 / "metrics.jsonl")[3]
     for nproc, layout, name in [(1, [], "tp1"), (2, ["--pipeline-model-parallel-size", "2"], "pp2")]:
-        ok(train(nproc, *flags, *layout, "--load", tp2, "--save", tmp_path / name, "--metrics-file",
-                 tmp_path / f"{name}.jsonl"))
-        got = losses(tmp_path / f"{name}.jsonl")[3]
-        assert abs(got - expected) < 1e-5, f"{name}: step-3 loss {got} after resharding != {expected}"
+        ok(train(nproc, *flags, *layout, "--load", tp2, "--ckpt-step", "2", "--save", tmp_path / name,
+                 "--metrics-file", tmp_path / f"{name}.jsonl"))
+        got = losses(tmp_path / f"{name}.jsonl")
+        assert sorted(got) == [3, 4], got
+        assert abs(got[3] - expected) < 1e-5, f"{name}: step-3 loss {got[3]} after resharding != {expected}"
 
 
-def test_first_launch_of_save_and_load_the_same_directory_starts_fresh(tmp_path):
-    """One requeue-able command: --save X --load X trains from scratch when X holds no checkpoint yet, resumes when
-    it does. A --load elsewhere without a checkpoint stays an error (a typo must not train from scratch)."""
-    run_dir = tmp_path / "run"
-    ok(train(1, *MOCK, "--save", run_dir, "--load", run_dir, "--exit-interval", "3"))
-    second = ok(train(1, *MOCK, "--save", run_dir, "--load", run_dir))
-    assert "successfully loaded checkpoint" in second.stdout
-    assert sorted(losses(run_dir / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
+    """Unlike --load of the --save directory itself (a first launch: test_resume_is_bit_exact), a --load elsewhere
+    without a checkpoint stays an error: a typo must not train from scratch."""
     proc = train(1, *MOCK, "--save", tmp_path / "other", "--load", tmp_path / "typo")
     assert proc.returncode == 2 and f"--load {tmp_path / 'typo'}: no checkpoint there" in proc.stderr
     assert not (tmp_path / "other").exists()
