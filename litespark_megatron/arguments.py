@@ -195,9 +195,7 @@ def expand(argv: Sequence[str], cpu: bool) -> List[str]:
     file_flags = load_config_file(known.config) if known.config else {}
     model = known.model or file_flags.get("model")
     if model is not None:
-        if model not in PRESETS:
-            raise ConfigError(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
-        flags = dict(PRESETS[model].flags)
+        flags = dict(_preset(model).flags)
         if "--multi-latent-attention" in argv or file_flags.get("multi-latent-attention") or \
                 file_flags.get("multi_latent_attention"):
             # MLA replaces the preset's attention: its grouped KV heads mean nothing there (and Megatron-LM
@@ -255,11 +253,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def preset_values(name: str) -> Dict[str, object]:
-    """A preset's flags as argument names (num_layers=..., swiglu=True, ...), for tools that need a shape only."""
+def _preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"unknown --model '{name}'; choose one of: {', '.join(PRESETS)}")
-    return {k.replace("-", "_"): v for k, v in PRESETS[name].flags.items()}
+    return PRESETS[name]
+
+
+def preset_values(name: str) -> Dict[str, object]:
+    """A preset's flags as argument names (num_layers=..., swiglu=True, ...), for tools that need a shape only."""
+    return {k.replace("-", "_"): v for k, v in _preset(name).flags.items()}
 
 
 def check(args, plat, world: Optional[int] = None) -> None:
@@ -364,9 +366,11 @@ def check(args, plat, world: Optional[int] = None) -> None:
         reason = why_not(args)
         if reason:
             raise ConfigError(reason)
-    if args.load and not os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+    if args.load:
+        from megatron.training.checkpointing import checkpoint_exists
+
         same = args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
-        if not same:
+        if not checkpoint_exists(args.load) and not same:
             raise ConfigError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt); point "
                               "--load at the --save directory of an earlier run (the same directory as --save "
                               "starts fresh when it holds none yet)")
@@ -483,12 +487,6 @@ def resolve_quietly(argv: Sequence[str], plat=None) -> argparse.Namespace:
         lines = [line for line in err.getvalue().splitlines() if "error:" in line]
         raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "invalid litespark-train flags") \
             from None
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
-    """The output layer's rows: Megatron-LM pads the vocabulary to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
 
 
 def model_vocab_size(args) -> int:

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import health as health_lib
-from .arguments import ConfigError, UserError, padded_vocab_size, resolve_quietly
+from .arguments import ConfigError, UserError, resolve_quietly
 
 BASELINE = "hf-eager"
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8)
@@ -238,7 +238,7 @@ def check_shape(flags: List[str]):
     from . import arguments
     from .platform import Platform
 
-    # The shape only: each system's micro-batch comes later (a placeholder satisfies the check).
+    # The shape only: the micro-batch is chosen per system later; 1 stands in for it in this check.
     args = resolve_quietly(["--micro-batch-size", "1"] + flags + ["--spec", "litespark", "--transformer-impl", "local"])
     arguments.check(args, Platform("cpu", "gloo", False, False, "cpu"))
     head_dim = args.hidden_size // args.num_attention_heads
@@ -277,12 +277,20 @@ def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
     return {c: training_flops_per_step(shape, global_batch_size, causal=c).model_flops for c in ("full", "half")}
 
 
+def padded_vocab(args) -> int:
+    """megatron-core's own padding of --vocab-size (a multiple of --make-vocab-size-divisible-by x TP; TP is 1 in
+    the benchmark)."""
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    return vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+
+
 def system_vocab(args, system: System) -> int:
     """Rows of the output layer: Megatron-LM pads the vocabulary to --make-vocab-size-divisible-by (128, one GPU);
     HF keeps the preset's (the llama presets are already multiples of 128, so both are the same there)."""
     if system.kind == "hf":
         return args.vocab_size
-    return padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+    return padded_vocab(args)
 
 
 def derive(raw: dict, flops: Dict[str, int], peak_tflops: Optional[float]) -> dict:
@@ -549,7 +557,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
     for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
         results[name]["vs_" + BASELINE.replace("-", "_")] = ratio
     vocab_note = None
-    padded = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+    padded = padded_vocab(args)
     if args.vocab_size != padded:
         vocab_note = (f"megatron pads the vocabulary {args.vocab_size} to {padded} rows (a multiple of "
                       f"{args.make_vocab_size_divisible_by}), HF keeps {args.vocab_size}: the FLOPs of each system "

@@ -15,22 +15,20 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
 def legacy_checkpoint_dir(load_dir: Optional[str]) -> Optional[str]:
     """The iteration directory of the latest checkpoint under `load_dir` if it was written by the old trainer,
     else None (no checkpoint there, or a Megatron-LM one)."""
     if not load_dir:
         return None
-    tracker = os.path.join(load_dir, TRACKER)
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+
     try:
-        text = open(tracker).read().strip()
+        text = open(get_checkpoint_tracker_filename(load_dir)).read().strip()
     except OSError:
         return None
     if not text.isdigit():
         return None
-    path = os.path.join(load_dir, f"iter_{int(text):07d}")
+    path = get_checkpoint_name(load_dir, int(text), return_base_dir=True)
     if not os.path.isfile(os.path.join(path, "common.pt")):
         return None
     from megatron.core import dist_checkpointing

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics.energy import EnergyMeter
-from .metrics.flops import ModelShape, recompute_from_args, training_flops_per_step
+from .metrics.flops import ModelShape, param_count, recompute_from_args, training_flops_per_step
 from .metrics.peaks import PeakError, detect_peak
 
 HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkpoint_and_time")
@@ -74,7 +74,7 @@ class Telemetry:
         else:
             self.peak_note = "MFU not measured: CPU run (no tensor-core peak; --peak-tflops sets one)"
         self.write(0, "run", dict(
-            world_size=self.world, params=_param_count(shape), flops_per_step_full=self.flops_full,
+            world_size=self.world, params=param_count(shape).total, flops_per_step_full=self.flops_full,
             flops_per_step_causal=self.flops_causal, tokens_per_step=self.tokens_per_step, precision=_precision(args),
             device=self.device_name if self.cuda else "cpu", spec=getattr(args, "litespark_spec", None),
             transformer_impl=args.transformer_impl))
@@ -271,12 +271,6 @@ class Telemetry:
             self.energy.close()
         if self.is_writer:
             print("summary: " + json.dumps(summary), flush=True)
-
-
-def _param_count(shape: ModelShape) -> int:
-    from .metrics.flops import param_count
-
-    return param_count(shape).total
 
 
 def _default_metrics_path(args) -> Optional[str]:
