@@ -3,7 +3,7 @@
 megatron.training (megatron-core 0.19.2) is the trainer. It assumes CUDA throughout; on a CPU-only torch,
 `apply_cpu_shims()` maps those assumptions to the CPU, one shim per assumption, each documented with the megatron
 function it serves and the failure it fixes, and each tested by reproducing that failure without it
-(tests/test_platform.py); one more, `jit`, skips a start-up cost on the CPU rather than a failure. They are applied
+(tests/test_platform.py); two more, `compile` and `jit`, skip start-up costs on the CPU rather than failures. They are applied
 only where torch has no CUDA, never on a GPU machine.
 `LITESPARK_CPU_SHIMS=none|all|name,name` selects them.
 
@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -214,17 +217,75 @@ def prepare_libraries() -> Platform:
     """Everything a run needs patched before megatron.training starts, on this machine. Idempotent."""
     single_process_defaults()
     plat = detect()
+    if plat.device_type == "cpu":
+        apply_cpu_shims()  # first: the `compile` shim must be in place before megatron is imported
     _use_shipped_dataset_helpers()
     _resume_distributed_optimizer_on_torch_adam()
     _load_optimizer_shards_without_autograd()
-    if plat.device_type == "cpu":
-        apply_cpu_shims()
-    else:
+    if plat.device_type != "cpu":
         provide_wgrad_accumulation_kernel()
     return plat
 
 
 # --------------------------------------------------------------------------------------------- CPU shims
+_TORCH_COMPILE = torch.compile
+
+
+class _DeferMegatronCompile(importlib.abc.MetaPathFinder):
+    """While a megatron module is executed (imported), `torch.compile` is `_compile_on_first_call`."""
+
+    def __init__(self):
+        self._finding = False
+
+    def find_spec(self, name, path=None, target=None):
+        if self._finding or not (name == "megatron" or name.startswith("megatron.")):
+            return None
+        self._finding = True  # find the real spec with the other finders
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            compile_now, torch.compile = torch.compile, _compile_on_first_call
+            try:
+                execute(module)
+            finally:
+                torch.compile = compile_now
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _compile_on_first_call(model=None, **options):
+    """torch.compile(model, **options), done when the result is first called (also as a decorator factory)."""
+    if model is None:
+        return lambda fn: _compile_on_first_call(fn, **options)
+    compiled = None
+
+    @functools.wraps(model)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = _TORCH_COMPILE(model, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _shim_compile():
+    """megatron-core decorates functions with torch.compile when its modules are imported (`jit_fuser` on the
+    bias-SwiGLU/GeLU and bias-dropout-add fusions, the MoE router's top-k). On torch 2.13 the first decoration
+    imports TorchDynamo and TorchInductor: 2 to 3 s of every process's start on 2 CPU cores, for functions the
+    Litespark layer never calls. Here each is compiled when first called instead; nothing else changes. Works
+    only for megatron modules imported after it, so prepare_libraries() applies it before anything else."""
+    if not any(isinstance(finder, _DeferMegatronCompile) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DeferMegatronCompile())
+
+
 def _shim_init():
     """megatron.training.training.pretrain calls initialize_megatron() without allow_no_cuda, which asserts
     'Megatron requires CUDA.'. Pass allow_no_cuda=True."""
@@ -432,8 +493,8 @@ def _shim_jit():
     training.set_jit_fusion_options = lambda *args, **kwargs: None
 
 
-_SHIMS = {"init": _shim_init, "arch": _shim_arch, "dev": _shim_dev, "rng": _shim_rng, "misc": _shim_misc,
-          "mode": _shim_mode, "streams": _shim_streams, "spnorm": _shim_spnorm, "moe": _shim_moe, "jit": _shim_jit}
+_SHIMS = {"compile": _shim_compile, "init": _shim_init, "arch": _shim_arch, "dev": _shim_dev, "rng": _shim_rng,
+          "misc": _shim_misc, "mode": _shim_mode, "streams": _shim_streams, "spnorm": _shim_spnorm, "moe": _shim_moe, "jit": _shim_jit}
 ALL_SHIMS = tuple(_SHIMS)
 _applied: set = set()
 
