@@ -57,7 +57,8 @@ def test_summary_arithmetic_and_rendering():
 
 def test_trace_summary_gpu_kernels_and_steps(tmp_path):
     """A Chrome trace as torch.profiler exports it (what megatron.training's --use-pytorch-profiler writes): GPU
-    kernel/memcpy events by name, steps and wall time from the ProfilerStep ranges."""
+    kernel/memcpy events by name, steps and wall time from the ProfilerStep ranges. A GPU trace holds each step
+    twice, as the CPU range and as its projection on the GPU's timeline: a step is counted once."""
     import gzip
     import json
 
@@ -65,6 +66,8 @@ def test_trace_summary_gpu_kernels_and_steps(tmp_path):
 
     events = [{"ph": "X", "name": "ProfilerStep#4", "cat": "user_annotation", "ts": 0, "dur": 10000},
               {"ph": "X", "name": "ProfilerStep#5", "cat": "user_annotation", "ts": 10000, "dur": 10000},
+              {"ph": "X", "name": "ProfilerStep#4", "cat": "gpu_user_annotation", "ts": 5, "dur": 7000},
+              {"ph": "X", "name": "ProfilerStep#5", "cat": "gpu_user_annotation", "ts": 10005, "dur": 7000},
               {"ph": "X", "name": "nvjet_gemm_a", "cat": "kernel", "ts": 5, "dur": 6000},
               {"ph": "X", "name": "nvjet_gemm_a", "cat": "kernel", "ts": 10005, "dur": 6000},
               {"ph": "X", "name": "Memcpy HtoD", "cat": "gpu_memcpy", "ts": 1, "dur": 1000},

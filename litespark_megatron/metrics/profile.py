@@ -145,7 +145,10 @@ def summarize_trace(path: str, top: int = 25) -> dict:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    # Each step is a CPU range ("user_annotation") and, in a GPU trace, that range again on the GPU's timeline
+    # ("gpu_user_annotation"): the CPU one is the step.
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("cat") != "gpu_user_annotation"]
     wall_us = sum(e["dur"] for e in steps)
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     kernels: Dict[str, float] = {}
