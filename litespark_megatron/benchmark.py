@@ -3,9 +3,11 @@
     python tools/benchmark.py --out runs/bench      # llama-3b, seq 4096, micro-batch 2, the five default systems
     python tools/benchmark.py --systems hf-eager,litespark-bf16 --best-micro-batch --global-batch-size 8
 
-Every system trains the same model shape on synthetic tokens (same sequence length, same tokens per optimizer
-step: the megatron systems read megatron-core's mock dataset, counting sequences; the HF systems random tokens;
-token values do not change the work, but the loss columns of the two kinds are not comparable), each in a FRESH
+Every system trains the same model shape on random tokens, uniform over the vocabulary (same sequence length,
+same tokens per optimizer step; the megatron systems read them from an indexed dataset written once per benchmark,
+the HF systems draw them in the worker). Token values do change FP8 speed: on megatron-core's mock dataset
+(counting sequences, which a model learns within steps) Litespark FP8 ran 1-4% slower and less repeatably than on
+random tokens on an H200. Each system runs in a FRESH
 process, so that GPU memory, compile caches and megatron-core's global state
 never carry over from one system to the next. A worker runs `--warmup` steps, then `--steps` timed steps (wall
 time, with a CUDA synchronize after every step), and reports:
@@ -215,6 +217,23 @@ def base_flags(opts) -> List[str]:
         if value is not None:
             flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
+
+
+def random_token_flags(flags: List[str], args, prefix: str, sequences: int, seed: int) -> List[str]:
+    """`flags` reading `sequences` sequences of random tokens, uniform over the model's vocabulary, written to
+    PREFIX.bin/.idx, instead of megatron-core's mock dataset (the shape check's data source)."""
+    import numpy as np
+
+    from .corpus import IndexedDatasetWriter
+
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, args.vocab_size) as writer:
+        for _ in range(sequences):
+            writer.add_document(rng.integers(0, args.vocab_size, args.seq_length + 1))
+        writer.commit()
+    return [f for f in flags if f != "--mock-data"] + ["--data-path", prefix, "--split", "100,0,0",
+                                                       "--tokenizer-type", "NullTokenizer",
+                                                       "--vocab-size", str(args.vocab_size)]
 
 
 def micro_batch_plan(opts) -> Tuple[int, List[int]]:
@@ -458,6 +477,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with contextlib.ExitStack() as stack:
         log_dir = out / "logs" if out is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="litespark-benchmark-")))
+        data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="litespark-benchmark-data-"))
+        sequences = gbs * (opts.warmup + opts.steps + opts.profile_steps + 1)
+        flags = random_token_flags(flags, args, os.path.join(data_dir, "random"), sequences, opts.seed)
         report = run_all(systems, flags, gbs, candidates, opts, args, log_dir, command, on_progress=write,
                          environment_warning=warning)
     print(write(report), end="", flush=True)
@@ -630,7 +652,7 @@ def render_markdown(report: dict) -> str:
         f"RoPE base {s['rotary_base']}, {'untied' if s['untie_embeddings_and_output_weights'] else 'tied'} embeddings",
         f"- each system in a fresh process: {_count(s['warmup'], 'warm-up step')}, then "
         f"{_count(s['steps'], 'timed step')} (wall time, "
-        "CUDA-synchronized after each step), synthetic tokens (megatron-core's mock dataset; HF: random), "
+        "CUDA-synchronized after each step), random tokens (uniform over the vocabulary), "
         "constant LR",
         "- TFLOP/s: model FLOPs (3 x forward GEMMs, logits included) with attention counted in full (NeMo tables) / "
         "causal-halved (Megatron-LM); docs/metrics.md",

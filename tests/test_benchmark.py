@@ -3,6 +3,7 @@ arithmetic, failing systems reported while the others complete, micro-batch sele
 import importlib.util
 import json
 import math
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,6 +102,11 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
                                                                  "local-recompute-mb2.profile.md",
                                                                  "stock-te-bf16-mb2.log"]
     assert "needs Transformer Engine" in (out / "logs" / "stock-te-bf16-mb2.log").read_text()
+    # The workers read random tokens written for this run (not the mock dataset), removed with it.
+    worker_command = shlex.split((out / "logs" / "litespark-local-bf16-mb2.log").read_text().splitlines()[0])
+    worker_flags = json.loads(worker_command[worker_command.index("--worker") + 1])["flags"]
+    assert "--mock-data" not in worker_flags
+    assert not Path(worker_flags[worker_flags.index("--data-path") + 1] + ".bin").exists()
     for log in ("litespark-local-bf16-mb2.log", "stock-te-bf16-mb2.log"):
         assert "--no-gradient-accumulation-fusion" in (out / "logs" / log).read_text().splitlines()[0]
     # --profile-steps: CPU operators (no kernels here), one step more than the timed ones, not in the timing.
@@ -129,6 +135,26 @@ def test_cpu_hf_eager_baseline_and_ratios(tmp_path, capsys):
     assert hf["vs_hf_eager"]["tokens_per_sec"] == pytest.approx(1.0)
     assert ls["vs_hf_eager"]["tokens_per_sec"] == pytest.approx(ls["tokens_per_sec"] / hf["tokens_per_sec"])
     assert ls["vs_hf_eager"]["joules_per_token"] is None  # no energy counter on the CPU
+
+
+def test_megatron_systems_read_random_tokens_uniform_over_the_vocabulary(tmp_path):
+    """Token values change FP8 speed (counting sequences ran slower and less repeatably than random tokens on an
+    H200), so every system reads random tokens: here megatron-core reads back what the benchmark wrote."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    flags = ["--model", "tiny", "--mock-data", "--seq-length", "64"]
+    args = SimpleNamespace(vocab_size=300, seq_length=64)
+    prefix = str(tmp_path / "random")
+    new = benchmark.random_token_flags(flags, args, prefix, sequences=50, seed=7)
+    assert new == ["--model", "tiny", "--seq-length", "64", "--data-path", prefix, "--split", "100,0,0",
+                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
+    data = IndexedDataset(prefix)
+    tokens = [data[i] for i in range(len(data))]
+    assert len(tokens) == 50 and {len(t) for t in tokens} == {65}
+    everything = [int(x) for t in tokens for x in t]
+    assert min(everything) >= 0 and max(everything) < 300 and len(set(everything)) > 250
+    again = benchmark.random_token_flags(flags, args, str(tmp_path / "again"), sequences=50, seed=7)
+    assert [list(t) for t in IndexedDataset(again[again.index("--data-path") + 1])] == [list(t) for t in tokens]
 
 
 def test_rates_and_ratios_arithmetic():
