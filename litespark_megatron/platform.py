@@ -3,8 +3,8 @@
 megatron.training (megatron-core 0.19.2) is the trainer. It assumes CUDA throughout; on a CPU-only torch,
 `apply_cpu_shims()` maps those assumptions to the CPU, one shim per assumption, each documented with the megatron
 function it serves and the failure it fixes, and each tested by reproducing that failure without it
-(tests/test_platform.py); two more, `compile` and `jit`, skip start-up costs on the CPU rather than failures. They are applied
-only where torch has no CUDA, never on a GPU machine.
+(tests/test_platform.py); two more, `compile` and `jit`, skip start-up costs on the CPU rather than failures.
+They are applied only where torch has no CUDA, never on a GPU machine.
 `LITESPARK_CPU_SHIMS=none|all|name,name` selects them.
 
 Three library gaps hit any machine and are closed by `prepare_libraries()`:
@@ -494,7 +494,8 @@ def _shim_jit():
 
 
 _SHIMS = {"compile": _shim_compile, "init": _shim_init, "arch": _shim_arch, "dev": _shim_dev, "rng": _shim_rng,
-          "misc": _shim_misc, "mode": _shim_mode, "streams": _shim_streams, "spnorm": _shim_spnorm, "moe": _shim_moe, "jit": _shim_jit}
+          "misc": _shim_misc, "mode": _shim_mode, "streams": _shim_streams, "spnorm": _shim_spnorm, "moe": _shim_moe,
+          "jit": _shim_jit}
 ALL_SHIMS = tuple(_SHIMS)
 _applied: set = set()
 
