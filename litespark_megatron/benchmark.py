@@ -298,7 +298,7 @@ def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
 
 def padded_vocab(args) -> int:
     """megatron-core's own padding of --vocab-size (a multiple of --make-vocab-size-divisible-by x TP; TP is 1 in
-    the benchmark)."""
+    the benchmark). Unlike arguments.model_vocab_size it needs no tokenizer: the shape alone decides."""
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
     return vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
@@ -468,7 +468,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return text
 
     warning = None
-    if any(s.kind == "megatron" for s in systems.values()):
+    megatron = any(s.kind == "megatron" for s in systems.values())
+    if megatron:
         warning = preflight(args)
         if warning and not opts.allow_degraded:
             print(f"benchmark: error: {warning}. Nothing was measured: a comparison against a system without fused "
@@ -477,9 +478,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with contextlib.ExitStack() as stack:
         log_dir = out / "logs" if out is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="litespark-benchmark-")))
-        data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="litespark-benchmark-data-"))
-        sequences = gbs * (opts.warmup + opts.steps + opts.profile_steps + 1)
-        flags = random_token_flags(flags, args, os.path.join(data_dir, "random"), sequences, opts.seed)
+        if megatron:  # the HF systems draw their tokens themselves
+            data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="litespark-benchmark-data-"))
+            sequences = gbs * (opts.warmup + opts.steps + opts.profile_steps + 1)
+            flags = random_token_flags(flags, args, os.path.join(data_dir, "random"), sequences, opts.seed)
         report = run_all(systems, flags, gbs, candidates, opts, args, log_dir, command, on_progress=write,
                          environment_warning=warning)
     print(write(report), end="", flush=True)
