@@ -10,6 +10,7 @@ hook, before megatron.training moves, wraps and (with --load) overwrites the par
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import zlib
@@ -28,7 +29,41 @@ def model_config_from_args(args):
     model_config = gpt_config_from_args(args)
     seed = args.seed
     model_config.pre_wrap_hooks.append(lambda chunks: _init_chunks(chunks, seed))
+    vocab = _unpadded_vocab(args)
+    model_config.pre_wrap_hooks.append(lambda chunks: mask_padded_vocab(chunks, vocab))
     return model_config
+
+
+def _unpadded_vocab(args) -> int:
+    """The tokenizer's vocabulary: megatron.training's global tokenizer (built from the arguments), else
+    --vocab-size."""
+    from megatron.training.global_vars import _GLOBAL_TOKENIZER
+
+    return _GLOBAL_TOKENIZER.vocab_size if _GLOBAL_TOKENIZER is not None else args.vocab_size
+
+
+# --------------------------------------------------------------------------------------------- vocabulary padding
+def mask_padded_vocab(chunks, vocab: int):
+    """Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP; the padded rows are no
+    tokens, yet their logits would enter the softmax of the loss (and of sampling). Their logits are set to -inf
+    in the output layer, so the loss is the unpadded model's: the loss of a HF model imported here equals
+    transformers', whatever TP pads. Only the ranks holding padded columns do anything, in place on those
+    columns (their gradient is then 0)."""
+    for chunk in chunks:
+        layer = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None
+        if layer is not None and vocab is not None and chunk.vocab_size > vocab:
+            layer.register_forward_hook(functools.partial(_mask_logits, vocab=vocab, padded=chunk.vocab_size))
+    return chunks
+
+
+def _mask_logits(module, inputs, output, vocab: int, padded: int):
+    logits = output[0]
+    local = logits.size(-1)
+    first = 0 if local == padded else parallel_state.get_tensor_model_parallel_rank() * local  # gathered or a slice
+    start = max(vocab - first, 0)
+    if start < local:
+        logits.narrow(-1, start, local - start).fill_(float("-inf"))
+    return output
 
 
 def _init_chunks(chunks, seed: int):

@@ -1,0 +1,751 @@
+"""Hugging Face Llama checkpoints in and out: `litespark-convert import HF_DIR CKPT` and
+`litespark-convert export CKPT HF_DIR`.
+
+import  reads config.json (the model's shape comes from it, not from a preset) and the safetensors shards, and
+        writes a Megatron-LM *release* checkpoint with megatron.training's own save_checkpoint (torch_dist format).
+        Megatron-LM loads a release checkpoint as it loads every converted one: iteration 0, a fresh optimizer,
+        scheduler and data position, in any TP/PP/VP/CP/EP layout (dist_checkpointing reshards at load time).
+        Beside it, `model.yaml` holds the model's Megatron-LM flags for `litespark-train --config`, and
+        `tokenizer/` the HF tokenizer when the directory has one.
+export  reads any Megatron-LM torch_dist checkpoint of a Llama-shaped GPT (the Litespark and stock specs save the
+        same keys), whatever layout it was saved in, one layer at a time, and writes config.json,
+        generation_config.json, model.safetensors (sharded, with its index) and the tokenizer files.
+
+The two weight layouts that differ (megatron-core's, in every layout; HF's LlamaForCausalLM):
+    linear_qkv.weight = for each KV group g: [the query heads of g; k_g; v_g]   <- q_proj, k_proj, v_proj
+    linear_fc1.weight = [gate; up]                                             <- gate_proj, up_proj
+RoPE needs no permutation (HF's Llama rotates halves, as megatron-core's default RoPE does), and Llama-3 RoPE
+scaling is megatron-core's --use-rope-scaling (its low/high frequency factors and original context are Llama 3's:
+other values are refused). The vocabulary is stored unpadded; the rows Megatron-LM pads it with for TP are masked
+out of the logits (model.py) and dropped on export.
+
+Memory: import writes each converted tensor into a file-backed buffer beside the output (the page cache holds it,
+not the process), so host memory stays near one tensor; export holds one layer and one output shard.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import io
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .arguments import UserError
+
+PROG = "litespark-convert"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# megatron-core's llama3 RoPE scaling hard-codes these (RotaryEmbedding._apply_scaling): Llama 3.1, 3.2 and 3.3.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "chat_template.jinja")
+
+
+class ConversionError(UserError):
+    """Input the converter cannot take: one line, exit code 2, nothing written."""
+
+
+# --------------------------------------------------------------------------------------------- names and layouts
+# Megatron checkpoint keys. The layers are stacked on a leading axis (dist_checkpointing's `decoder.layers.…`
+# tensors are [num_layers, …]); each maps to the HF names of layer i, in the order they are fused.
+LAYER_KEYS = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
+    "decoder.layers.self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                        "self_attn.v_proj.weight"),
+    "decoder.layers.self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
+    "decoder.layers.mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "decoder.layers.mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+}
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+GLOBAL_KEYS = {EMBEDDING: "model.embed_tokens.weight", "decoder.final_layernorm.weight": "model.norm.weight",
+               OUTPUT: "lm_head.weight"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the weight layouts depend on."""
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    def hf_names(self) -> Dict[str, Tuple[int, ...]]:
+        """Every tensor of the HF model and its shape."""
+        h, d = self.hidden, self.head_dim
+        per_layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (self.heads * d, h),
+                     "self_attn.k_proj.weight": (self.groups * d, h), "self_attn.v_proj.weight": (self.groups * d, h),
+                     "self_attn.o_proj.weight": (h, self.heads * d), "post_attention_layernorm.weight": (h,),
+                     "mlp.gate_proj.weight": (self.ffn, h), "mlp.up_proj.weight": (self.ffn, h),
+                     "mlp.down_proj.weight": (h, self.ffn)}
+        names = {"model.embed_tokens.weight": (self.vocab, h), "model.norm.weight": (h,)}
+        if not self.tied:
+            names["lm_head.weight"] = (self.vocab, h)
+        for i in range(self.layers):
+            names.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
+        return names
+
+    def fuse(self, key: str, parts: List[torch.Tensor]) -> torch.Tensor:
+        """HF tensors (LAYER_KEYS/GLOBAL_KEYS order) -> the megatron tensor of `key`."""
+        if key.endswith("linear_qkv.weight"):
+            q, k, v = (t.reshape(self.groups, -1, self.hidden) for t in parts)
+            return torch.cat([q, k, v], dim=1).reshape(-1, self.hidden)
+        if key.endswith("linear_fc1.weight"):
+            return torch.cat(parts, dim=0)
+        return parts[0]
+
+    def split(self, key: str, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """The inverse of fuse."""
+        if key.endswith("linear_qkv.weight"):
+            per_group = tensor.reshape(self.groups, -1, self.hidden)
+            q_rows = self.heads // self.groups * self.head_dim
+            q, k, v = per_group.split([q_rows, self.head_dim, self.head_dim], dim=1)
+            return [t.reshape(-1, self.hidden) for t in (q, k, v)]
+        if key.endswith("linear_fc1.weight"):
+            return list(tensor.chunk(2, dim=0))
+        return [tensor]
+
+
+def hf_parts(key: str, layer: Optional[int]) -> Tuple[str, ...]:
+    if layer is None:
+        return (GLOBAL_KEYS[key],)
+    return tuple(f"model.layers.{layer}.{name}" for name in LAYER_KEYS[key])
+
+
+# --------------------------------------------------------------------------------------------- HF config.json
+def _json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ConversionError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: {what} is not a JSON object")
+    return data
+
+
+def read_config(hf_dir: str) -> dict:
+    """config.json of a Llama-shaped HF model, with RoPE normalized to `rope_theta` + `rope_scaling` (transformers
+    5 writes both into `rope_parameters`). Anything the Litespark layer does not compute is refused, naming the
+    field."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir}: no such directory")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
+    config = _json(path, "the model's config")
+    model_type = config.get("model_type")
+    if model_type != "llama":
+        raise ConversionError(f"{path}: model_type is {model_type!r}; only Llama-architecture models "
+                              "(model_type 'llama': Llama 2, 3, 3.1, 3.2) convert")
+    refusals = (("attention_bias", False, "attention with biases"), ("mlp_bias", False, "an MLP with biases"),
+                ("hidden_act", "silu", "another activation than SwiGLU's silu"),
+                ("sliding_window", None, "sliding-window attention"),
+                ("qk_norm", False, "query/key norms"))
+    for field, llama, what in refusals:
+        if config.get(field, llama) not in (llama,):
+            raise ConversionError(f"{path}: {field} = {config[field]!r} ({what}); the Litespark layer computes "
+                                  f"Llama's ({field} = {llama!r})")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(config.get(field), int) or config[field] <= 0:
+            raise ConversionError(f"{path}: {field} is missing or not a positive integer")
+    rope = dict(config.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = config.get("rope_scaling") or (rope if rope_type != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise ConversionError(f"{path}: rope_scaling type {kind!r}; only Llama 3's ('llama3') is supported")
+        for field, value in LLAMA3_ROPE.items():
+            if float(scaling.get(field, value)) != value:
+                raise ConversionError(f"{path}: rope_scaling.{field} = {scaling[field]}; megatron-core's llama3 "
+                                      f"RoPE scaling computes {field} = {value:g} (Llama 3.1-3.3's)")
+        scaling = {"rope_type": "llama3", "factor": float(scaling["factor"]), **LLAMA3_ROPE}
+    if float(theta) != int(theta):
+        raise ConversionError(f"{path}: rope_theta = {theta}; Megatron-LM's --rotary-base takes an integer")
+    config["rope_theta"], config["rope_scaling"] = float(theta), scaling
+    config.pop("rope_parameters", None)
+    return config
+
+
+def shape_of(config: dict) -> Shape:
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if heads % groups:
+        raise ConversionError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                              f"{groups}")
+    return Shape(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"], heads, groups,
+                 head_dim, config["vocab_size"], bool(config.get("tie_word_embeddings", False)))
+
+
+def model_flags(config: dict) -> Dict[str, object]:
+    """The Megatron-LM flags (without --) of this model: what `model.yaml` holds."""
+    from .arguments import LLAMA
+
+    shape = shape_of(config)
+    flags: Dict[str, object] = {**LLAMA, "norm-epsilon": float(config.get("rms_norm_eps", 1e-6)),
+                                "num-layers": shape.layers, "hidden-size": shape.hidden, "ffn-hidden-size": shape.ffn,
+                                "num-attention-heads": shape.heads, "kv-channels": shape.head_dim,
+                                "max-position-embeddings": int(config.get("max_position_embeddings", 4096)),
+                                "rotary-base": int(config["rope_theta"]), "vocab-size": shape.vocab,
+                                "untie-embeddings-and-output-weights": not shape.tied}
+    if shape.groups != shape.heads:
+        flags.update({"group-query-attention": True, "num-query-groups": shape.groups})
+    if config["rope_scaling"]:
+        flags.update({"use-rope-scaling": True, "rope-scaling-factor": config["rope_scaling"]["factor"]})
+    return flags
+
+
+# --------------------------------------------------------------------------------------------- HF weights
+class HfWeights:
+    """The tensors of a HF directory: model.safetensors, or the shards its model.safetensors.index.json lists.
+    Tensors are read one at a time."""
+
+    def __init__(self, hf_dir: str) -> None:
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            weight_map = _json(index, "the shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: no weight_map")
+            self.files = {name: os.path.join(hf_dir, f) for name, f in weight_map.items()}
+        elif os.path.isfile(single):
+            self.files = None
+            self._single = single
+        else:
+            found = glob.glob(os.path.join(hf_dir, "*.safetensors"))
+            other = glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(os.path.join(hf_dir, "*.pt"))
+            if found:
+                raise ConversionError(f"{hf_dir}: {len(found)} safetensors shard(s) but no "
+                                      "model.safetensors.index.json naming what each holds")
+            hint = " (PyTorch .bin weights: load and save_pretrained them with transformers to get safetensors)" \
+                if other else ""
+            raise ConversionError(f"{hf_dir}: no model.safetensors{hint}")
+        self._open: Dict[str, object] = {}
+        if self.files is None:
+            self.files = {name: single for name in self._handle(single).keys()}
+        missing = sorted({f for f in self.files.values() if not os.path.isfile(f)})
+        if missing:
+            raise ConversionError(f"{hf_dir}: shard {os.path.basename(missing[0])} is listed in "
+                                  f"model.safetensors.index.json but missing ({len(missing)} missing in all)")
+
+    def _handle(self, path: str):
+        from safetensors import safe_open
+
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError for a damaged header
+                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._open[path]
+
+    def check(self, expected: Dict[str, Tuple[int, ...]], where: str) -> None:
+        """Every tensor config.json implies is here with its shape; nothing else is."""
+        missing = [n for n in expected if n not in self.files]
+        if missing:
+            raise ConversionError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all) although "
+                                  "config.json implies it")
+        extra = [n for n in self.files if n not in expected and not n.endswith("rotary_emb.inv_freq")]
+        if extra:
+            raise ConversionError(f"{where}: tensor {extra[0]} is not part of a Llama model as config.json describes "
+                                  f"it ({len(extra)} such tensors)")
+        for name, shape in expected.items():
+            actual = tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+            if actual != shape:
+                raise ConversionError(f"{where}: {name} has shape {list(actual)} but config.json implies "
+                                      f"{list(shape)}")
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.files[name]).get_tensor(name)
+
+    def dtype(self) -> torch.dtype:
+        name = next(iter(self.files))
+        return self.get(name).dtype
+
+
+# --------------------------------------------------------------------------------------------- one process
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A gloo world of one (what dist_checkpointing and megatron's save need), destroyed afterwards."""
+    from .platform import prepare_libraries
+
+    prepare_libraries()
+    started = not torch.distributed.is_initialized()
+    if started:
+        torch.distributed.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
+
+
+class FileBackedTensors:
+    """Tensors in one shared file mapping: the page cache holds them (and writes them back under memory pressure),
+    so converting a model larger than host memory stays possible. The file is deleted on close."""
+
+    def __init__(self, path: str, numel: int, dtype: torch.dtype) -> None:
+        self.path = path
+        self._flat = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)
+        self._offset = 0
+
+    def new(self, shape) -> torch.Tensor:
+        n = math.prod(shape)
+        view = self._flat[self._offset:self._offset + n].view(shape)
+        self._offset += n
+        return view
+
+    def close(self) -> None:
+        self._flat = None
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=quiet, file=sys.stderr)
+
+
+def _check_target(path: str) -> None:
+    """The output must be new or an empty directory, in an existing one."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConversionError(f"{path} exists and is not an empty directory: give a new output directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConversionError(f"{parent}: no such directory for the output")
+
+
+def _start(path: str) -> str:
+    """The temporary directory the output is built in (renamed to `path` by _commit): a failure leaves nothing."""
+    tmp = os.path.abspath(path).rstrip(os.sep) + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _commit(tmp: str, path: str) -> None:
+    if os.path.isdir(path):
+        os.rmdir(path)  # empty (checked)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------- import
+def _import_args(flags: Dict[str, object], save: str, dtype: torch.dtype):
+    """megatron.training's args for a model of these flags at TP = PP = 1, set as its global args."""
+    from megatron.training.global_vars import set_global_variables
+
+    from .arguments import as_flags, megatron_validate, resolve_quietly
+
+    argv = as_flags({**flags, "spec": "litespark", "transformer-impl": "local", "tokenizer-type": "NullTokenizer",
+                     # unpadded: the rows a run pads the vocabulary with depend on its TP (and are masked)
+                     "make-vocab-size-divisible-by": 1, "seq-length": min(int(flags["max-position-embeddings"]), 4096),
+                     "micro-batch-size": 1, "ckpt-format": "torch_dist", "save": save, "save-interval": 1, "no-save-optim": True,
+                     "no-save-rng": True, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
+                     "mock-data": True, "skip-train": True, "use-cpu-initialization": True}, "import")
+    args = resolve_quietly(argv)
+    args.world_size = 1
+    with contextlib.redirect_stdout(io.StringIO()):  # Megatron-LM's printout of its arguments
+        megatron_validate(args)
+        set_global_variables(args, build_tokenizer=True)
+    return args
+
+
+def _meta_model(args):
+    """The GPTModel of these args with parameters on the meta device: keys and layouts, no memory."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from .model import model_config_from_args
+
+    parallel_state.initialize_model_parallel()
+    config = model_config_from_args(args)
+    config.transformer.perform_initialization = False
+    with torch.device("meta"):
+        return GPTModelBuilder(config).build_model(ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _checkpoint_keys(model) -> Dict[str, Tuple[str, Optional[int]]]:
+    """parameter name -> (checkpoint key, global layer index or None), as megatron-core's sharded_state_dict keys
+    them (its GLU fc1 is a ShardedTensorFactory: key and data, no offsets; the layer comes from the name)."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    keys = {}
+    for sharded in model.sharded_state_dict().values():
+        name = by_id.get(id(getattr(sharded, "data", None)))
+        if name is None:
+            continue
+        layer = None
+        if name.startswith("decoder.layers."):
+            layer = model.decoder.layers[int(name.split(".")[2])].layer_number - 1
+        keys[name] = (sharded.key, layer)
+    return keys
+
+
+def _replace_parameter(model, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._parameters[leaf]
+    new = torch.nn.Parameter(tensor, requires_grad=False)
+    new.__dict__.update(old.__dict__)  # tensor-parallel attributes
+    module._parameters[leaf] = new
+
+
+def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
+              quiet: bool = False) -> Dict[str, object]:
+    """HF Llama directory -> Megatron-LM release checkpoint in `out` (+ model.yaml, tokenizer/). Returns the model
+    flags."""
+    _check_target(out)
+    config = read_config(hf_dir)
+    shape = shape_of(config)
+    weights = HfWeights(hf_dir)
+    weights.check(shape.hf_names(), hf_dir)
+    flags = model_flags(config)
+    tokenizer_dir = tokenizer or (hf_dir if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) else None)
+    if tokenizer_dir is not None:
+        _check_tokenizer(tokenizer_dir, shape.vocab)
+    torch_dtype = DTYPES[dtype] if dtype else weights.dtype()
+    if torch_dtype not in DTYPES.values():
+        raise ConversionError(f"{hf_dir}: weights of dtype {torch_dtype}; give --dtype bf16, fp16 or fp32")
+    tmp = _start(out)
+    try:
+        with single_process_group():
+            from megatron.training.checkpointing import save_checkpoint
+
+            args = _import_args(flags, tmp, torch_dtype)
+            model = _meta_model(args)
+            keys = _checkpoint_keys(model)
+            params = dict(model.named_parameters())
+            unknown = sorted(set(params) - set(keys))
+            if unknown:
+                raise RuntimeError(f"no checkpoint key for parameter {unknown[0]}")
+            buffer = FileBackedTensors(os.path.join(tmp, ".import-buffer"),
+                                       sum(p.numel() for p in params.values()), torch_dtype)
+            try:
+                with _progress(len(params), "import", quiet) as bar:
+                    for name, param in params.items():
+                        key, layer = keys[name]
+                        fused = shape.fuse(key, [weights.get(n) for n in hf_parts(key, layer)])
+                        target = buffer.new(tuple(param.shape))
+                        target.copy_(fused)
+                        _replace_parameter(model, name, target)
+                        bar.update()
+                with contextlib.redirect_stdout(sys.stderr if not quiet else open(os.devnull, "w")):
+                    save_checkpoint(0, [model], None, None, 0, release=True)
+            finally:
+                buffer.close()
+        _write_model_yaml(os.path.join(tmp, "model.yaml"), flags, tokenizer_dir and os.path.join(out, "tokenizer"))
+        if tokenizer_dir is not None:
+            _copy_tokenizer(tokenizer_dir, os.path.join(tmp, "tokenizer"))
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return flags
+
+
+def _check_tokenizer(tokenizer_dir: str, vocab: int) -> None:
+    from .data import DataError, load_tokenizer
+
+    try:
+        tok = load_tokenizer("HuggingFaceTokenizer", tokenizer_dir)
+    except DataError as e:
+        raise ConversionError(f"tokenizer: {e}") from None
+    if tok.vocab_size > vocab:
+        raise ConversionError(f"{tokenizer_dir}: the tokenizer has {tok.vocab_size} tokens but the model's embedding "
+                              f"{vocab} rows (config.json vocab_size): they are not one model's")
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def _write_model_yaml(path: str, flags: Dict[str, object], tokenizer_dir: Optional[str]) -> None:
+    import yaml
+
+    data = dict(flags)
+    if tokenizer_dir:
+        data.pop("vocab-size")  # the tokenizer's; checked against the checkpoint at load
+        data.update({"tokenizer-type": "HuggingFaceTokenizer", "tokenizer-model": os.path.abspath(tokenizer_dir)})
+    else:
+        data["tokenizer-type"] = "NullTokenizer"
+    header = ("# The model's Megatron-LM flags, from its config.json (litespark-convert import).\n"
+              "# litespark-train --config model.yaml --load <this directory> ...\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------------- export
+def checkpoint_dir(path: str) -> str:
+    """The checkpoint directory a --load/--save directory's tracker names, or `path` itself if it is one."""
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    tracker = get_checkpoint_tracker_filename(path)
+    if not os.path.isfile(tracker):
+        raise ConversionError(f"{path}: not a Megatron-LM checkpoint (no latest_checkpointed_iteration.txt, and not "
+                              "an iter_* directory)")
+    iteration, release = read_metadata(tracker)
+    found = get_checkpoint_name(path, iteration, release, return_base_dir=True)
+    if not os.path.isfile(os.path.join(found, "metadata.json")):
+        raise ConversionError(f"{found}: not a torch_dist checkpoint (no metadata.json); export reads Megatron-LM's "
+                              "default --ckpt-format torch_dist")
+    return found
+
+
+def _checkpoint_shape(args, metadata) -> Shape:
+    """The checkpoint's model, refused if it is not a Llama."""
+    llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
+        not getattr(args, "add_qkv_bias", False) and args.position_embedding_type == "rope" and \
+        args.rotary_percent == 1.0 and not args.rotary_interleaved and not args.num_experts and \
+        not args.multi_latent_attention and not args.qk_layernorm
+    if not llama:
+        raise ConversionError("the checkpoint's model is not a Llama (RMSNorm, SwiGLU, no biases, full RoPE, dense, "
+                              "no MLA or QK norms), which is what a HF LlamaForCausalLM holds")
+    for key in [EMBEDDING, "decoder.final_layernorm.weight", *LAYER_KEYS] + \
+            ([OUTPUT] if args.untie_embeddings_and_output_weights else []):
+        if key not in metadata:
+            raise ConversionError(f"the checkpoint has no tensor {key}")
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    return Shape(args.num_layers, args.hidden_size, args.ffn_hidden_size, heads, groups,
+                 args.kv_channels or args.hidden_size // heads, 0, not args.untie_embeddings_and_output_weights)
+
+
+def _true_vocab(args, rows: int, vocab: Optional[int]) -> int:
+    """The vocabulary without Megatron-LM's TP padding: --vocab-size given to export, else the run's tokenizer."""
+    if vocab is None:
+        if args.tokenizer_type == "NullTokenizer" and args.vocab_size:
+            vocab = args.vocab_size
+        elif args.tokenizer_model and os.path.isdir(args.tokenizer_model):
+            from .data import load_tokenizer
+
+            vocab = load_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+        else:
+            raise ConversionError(f"cannot tell the vocabulary without padding (tokenizer {args.tokenizer_type} "
+                                  f"{args.tokenizer_model}): give --vocab-size")
+    if vocab > rows:
+        raise ConversionError(f"--vocab-size {vocab} is larger than the checkpoint's embedding ({rows} rows)")
+    return vocab
+
+
+def hf_config(args, shape: Shape, vocab: int, dtype: torch.dtype, tokenizer=None):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if args.use_rope_scaling:
+        rope = {**rope, "rope_type": "llama3", "factor": float(args.rope_scaling_factor), **LLAMA3_ROPE}
+    special = {}
+    if tokenizer is not None:
+        tok, directory = tokenizer
+        from .data import _special_token_name
+
+        bos = None
+        path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(path):
+            bos = tok.vocab.get(_special_token_name(_json(path, "the tokenizer's config").get("bos_token")))
+        special = {"bos_token_id": bos, "eos_token_id": tok.eod}
+    return LlamaConfig(vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.groups, head_dim=shape.head_dim,
+                       max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.layernorm_epsilon,
+                       tie_word_embeddings=shape.tied, rope_parameters=rope, dtype=dtype,
+                       architectures=["LlamaForCausalLM"], **special)
+
+
+class ShardWriter:
+    """model-0000k-of-0000N.safetensors of at most `max_bytes` each (one tensor larger than that gets its own),
+    and model.safetensors.index.json; a single shard is model.safetensors."""
+
+    def __init__(self, directory: str, max_bytes: int) -> None:
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: List[List[str]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, os.path.join(self.directory, f"shard-{len(self.shards)}.tmp"),
+                  metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.pending:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(os.path.join(self.directory, "shard-0.tmp"), os.path.join(self.directory, "model.safetensors"))
+            return
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.directory, f"shard-{i}.tmp"), os.path.join(self.directory, final))
+            weight_map.update({name: final for name in names})
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = str(text).strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda u: -len(u[0])):
+        if t.endswith(unit):
+            try:
+                return int(float(t[:-len(unit)]) * factor)
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise ConversionError(f"--max-shard-size {text}: give a size such as 5GB or 500MB")
+
+
+def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[int] = None,
+              tokenizer: Optional[str] = None, max_shard_size: str = "5GB", quiet: bool = False) -> None:
+    """Megatron-LM torch_dist checkpoint (any layout, any Llama spec) -> HF directory `out`."""
+    _check_target(out)
+    max_bytes = _parse_size(max_shard_size)
+    directory = checkpoint_dir(ckpt)
+    with single_process_group():
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        common = dist_checkpointing.load_common_state_dict(directory)
+        args = common.get("args")
+        if args is None or isinstance(args, dict):
+            raise ConversionError(f"{directory}: the checkpoint has no Megatron-LM arguments (a checkpoint of "
+                                  "litespark-megatron's old trainer: load it with --finetune and save it once)")
+        metadata = dist_checkpointing.load_tensors_metadata(directory)
+        shape = _checkpoint_shape(args, metadata)
+        rows = metadata[EMBEDDING].global_shape[0]
+        shape = Shape(**{**shape.__dict__, "vocab": _true_vocab(args, rows, vocab)})
+        tokenizer_dir = tokenizer or (args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" and
+                                      args.tokenizer_model and os.path.isdir(args.tokenizer_model) else None)
+        tok = None
+        if tokenizer_dir is not None:
+            from .data import load_tokenizer
+
+            tok = load_tokenizer("HuggingFaceTokenizer", tokenizer_dir)
+        target_dtype = DTYPES[dtype] if dtype else metadata[EMBEDDING].dtype
+        zero_centered = bool(getattr(args, "apply_layernorm_1p", False))
+
+        def load(key: str, layer: Optional[int]) -> torch.Tensor:
+            meta = metadata[key]
+            if layer is None:
+                request = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype),
+                                                          replica_id=0)
+            else:
+                # layer i of the stacked [num_layers, ...] tensor: one slice of its first axis
+                request = ShardedTensor.from_rank_offsets(key, torch.empty((1, *meta.global_shape[1:]),
+                                                                           dtype=meta.dtype),
+                                                          (0, layer, shape.layers), replica_id=0)
+            tensor = dist_checkpointing.load({key: request}, directory, validate_access_integrity=False)[key]
+            tensor = tensor if layer is None else tensor[0]
+            if zero_centered and "norm" in key:
+                tensor = tensor + 1  # --apply-layernorm-1p stores gamma - 1
+            return tensor
+
+        keys = [(EMBEDDING, None)] + [(k, i) for i in range(shape.layers) for k in LAYER_KEYS] + \
+            [("decoder.final_layernorm.weight", None)] + ([] if shape.tied else [(OUTPUT, None)])
+        tmp = _start(out)
+        try:
+            writer = ShardWriter(tmp, max_bytes)
+            with _progress(len(keys), "export", quiet) as bar:
+                for key, layer in keys:
+                    tensor = load(key, layer)
+                    if key in (EMBEDDING, OUTPUT):
+                        tensor = tensor[:shape.vocab]  # Megatron-LM's TP padding dropped
+                    for name, part in zip(hf_parts(key, layer), shape.split(key, tensor)):
+                        writer.add(name, part.to(target_dtype))
+                    bar.update()
+            writer.finish()
+            config = hf_config(args, shape, shape.vocab, target_dtype, tok and (tok, tokenizer_dir))
+            config.save_pretrained(tmp)
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            if tokenizer_dir is not None:
+                _copy_tokenizer(tokenizer_dir, tmp)
+            _commit(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+# --------------------------------------------------------------------------------------------- command line
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Hugging Face Llama checkpoints in and out of Megatron-LM's "
+                                                       "torch_dist format.")
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF Llama directory -> Megatron-LM release checkpoint (+ model.yaml)")
+    imp.add_argument("hf_dir", help="a HF model directory: config.json and model.safetensors (or shards + index)")
+    imp.add_argument("out", help="the checkpoint directory to create (for --load / --pretrained-checkpoint)")
+    imp.add_argument("--dtype", choices=list(DTYPES), help="stored dtype (default: the safetensors' own)")
+    imp.add_argument("--tokenizer", help="HF tokenizer directory (default: HF_DIR when it holds tokenizer.json)")
+    exp = sub.add_parser("export", help="Megatron-LM torch_dist checkpoint -> HF directory")
+    exp.add_argument("ckpt", help="a --save directory (its latest checkpoint) or one iter_*/release directory")
+    exp.add_argument("out", help="the HF directory to create")
+    exp.add_argument("--dtype", choices=list(DTYPES), help="stored dtype (default: the checkpoint's)")
+    exp.add_argument("--vocab-size", type=int, help="the vocabulary without TP padding (default: the run's "
+                                                    "tokenizer)")
+    exp.add_argument("--tokenizer", help="HF tokenizer directory to ship with the model (default: the run's "
+                                         "--tokenizer-model when it is one)")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    for sp in (imp, exp):
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    from .platform import quiet_library_noise
+
+    opts = parser().parse_args(argv)
+    quiet_library_noise()
+    try:
+        if opts.command == "import":
+            flags = import_hf(opts.hf_dir, opts.out, opts.dtype, opts.tokenizer, opts.quiet)
+            print(f"{PROG}: wrote {opts.out} ({flags['num-layers']} layers, hidden {flags['hidden-size']}, vocabulary "
+                  f"{flags['vocab-size']}); train from it with: litespark-train --config "
+                  f"{os.path.join(opts.out, 'model.yaml')} --load {opts.out} ...")
+        else:
+            export_hf(opts.ckpt, opts.out, opts.dtype, opts.vocab_size, opts.tokenizer, opts.max_shard_size,
+                      opts.quiet)
+            print(f"{PROG}: wrote {opts.out}")
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Hugging Face interop (litespark-convert): a tiny transformers LlamaForCausalLM (GQA, Llama-3 RoPE scaling, tied
+and untied, a vocabulary TP must pad) imported, loaded by megatron.training in TP2, PP2 and TP2+PP2 with the
+logits of transformers, exported back bit for bit; --finetune from it starts at transformers' loss, and a model
+trained here is exported with the validation loss the trainer reported; bad input is one line and writes
+nothing."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import TESTS, child_env, free_port, ok, records, run, torchrun, train
+
+VOCAB = 301  # TP pads it (to 384 at TP1, 512 at TP2): the padded rows must not change logits or loss
+SEQ = 32
+
+
+def make_hf_llama(path, tied: bool, seed: int = 0):
+    """A random Llama-3-style model saved with save_pretrained, fp32. Weights larger than the default init, so
+    that logits are O(1) and a wrong layout or a missing RoPE scaling shows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                         rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.15,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192})
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)  # not all ones: a swapped norm shows
+    model.save_pretrained(path)
+    return path
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def hf_logits(path, tokens):
+    with torch.no_grad():
+        return hf_model(path)(tokens).logits
+
+
+def hf_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def convert(*argv):
+    return run([sys.executable, "-m", "litespark_megatron.hf", *argv, "--quiet"])
+
+
+def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout):
+    """The logits megatron.training's model gives after `--load ckpt` in this layout (tests/hf_logits_worker.py)."""
+    tokens_file, out = tmp_path / "tokens.json", tmp_path / f"logits_{free_port()}.pt"
+    tokens_file.write_text(json.dumps({"tokens": tokens.tolist()}))
+    ok(torchrun(nproc, TESTS / "hf_logits_worker.py", tokens_file, out, "--", "--config", ckpt / "model.yaml",
+                "--load", ckpt, "--mock-data", "--skip-train", *layout))
+    return torch.load(out)
+
+
+def tokens_for(seed, rows=2):
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_logits(ours, reference):
+    assert ours.shape[:2] == reference.shape[:2]
+    assert torch.isinf(ours[..., VOCAB:]).all() and (ours[..., VOCAB:] < 0).all()  # padded rows: no tokens
+    diff = (ours[..., :VOCAB] - reference).abs().max().item()
+    assert diff < 1e-4, diff
+    assert reference.abs().max() > 1.0  # the comparison has something to compare
+
+
+def test_import_untied_loads_in_tp2_pp2_and_tp2pp2_with_transformers_logits_and_exports_bit_exactly(tmp_path):
+    hf = make_hf_llama(tmp_path / "hf", tied=False)
+    ckpt = tmp_path / "ckpt"
+    ok(convert("import", hf, ckpt))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    tokens = tokens_for(1)
+    reference = hf_logits(hf, tokens)
+    for nproc, layout in ((2, ["--tensor-model-parallel-size", "2"]), (2, ["--pipeline-model-parallel-size", "2"]),
+                          (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])):
+        assert_same_logits(megatron_logits(tmp_path, ckpt, tokens, nproc, *layout), reference)
+
+    exported = tmp_path / "exported"
+    ok(convert("export", ckpt, exported))
+    original, back = hf_tensors(hf), hf_tensors(exported)
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert torch.equal(hf_logits(exported, tokens), reference)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["factor"] == 8.0
+    assert config["vocab_size"] == VOCAB and not config["tie_word_embeddings"]
+
+
+def test_import_tied_loads_in_pp2_and_export_import_export_is_byte_identical(tmp_path):
+    """Llama-3.2 ties the embedding and the output layer; under PP2 the last stage holds a copy of the embedding."""
+    hf = make_hf_llama(tmp_path / "hf", tied=True)
+    ckpt = tmp_path / "ckpt"
+    ok(convert("import", hf, ckpt))
+    tokens = tokens_for(2)
+    assert_same_logits(megatron_logits(tmp_path, ckpt, tokens, 2, "--pipeline-model-parallel-size", "2"),
+                       hf_logits(hf, tokens))
+    first, again, second = tmp_path / "first", tmp_path / "again", tmp_path / "second"
+    ok(convert("export", ckpt, first))
+    ok(convert("import", first, again))
+    ok(convert("export", again, second))
+    a, b = hf_tensors(first), hf_tensors(second)
+    assert "lm_head.weight" not in a and sorted(a) == sorted(b) == sorted(hf_tensors(hf))
+    assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
+    assert json.loads((first / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def write_repeated_document(prefix, document):
+    """An indexed dataset whose every document is `document` (SEQ tokens): every sample megatron-core's
+    GPTDataset draws from it is then document + document[0], whatever its shuffling."""
+    from litespark_megatron.corpus import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(str(prefix), VOCAB) as writer:
+        for _ in range(64):
+            writer.add_document(document)
+        writer.commit()
+
+
+def test_finetune_starts_from_transformers_loss_and_the_trained_model_exports_with_its_validation_loss(tmp_path):
+    hf = make_hf_llama(tmp_path / "hf", tied=False)
+    ckpt = tmp_path / "ckpt"
+    ok(convert("import", hf, ckpt))
+    document = tokens_for(3, rows=1)[0]
+    write_repeated_document(tmp_path / "data", document.tolist())
+    sample = torch.cat([document, document[:1]]).unsqueeze(0)
+    with torch.no_grad():
+        expected = hf_model(hf)(sample, labels=sample).loss.item()  # transformers shifts the labels itself
+
+    metrics, save = tmp_path / "metrics.jsonl", tmp_path / "trained"
+    ok(train(1, "--config", ckpt / "model.yaml", "--load", ckpt, "--finetune", "--data-path", tmp_path / "data",
+             "--split", "90,10,0", "--seq-length", SEQ, "--micro-batch-size", 2, "--lr", "1e-3", "--train-iters", 20,
+             "--log-interval", 1, "--eval-interval", 20, "--eval-iters", 1, "--save", save, "--save-interval", 20,
+             "--metrics-file", metrics, "--seed", 5))
+    train_rows = records(metrics, "train")
+    assert train_rows[0]["step"] == 1 and len(train_rows) == 20  # iteration 0: the checkpoint is weights only
+    assert abs(train_rows[0]["loss"] - expected) < 1e-5, (train_rows[0]["loss"], expected)
+    assert train_rows[-1]["loss"] < expected - 0.5  # it trained
+
+    val = [r for r in records(metrics, "val") if r["step"] == 20][-1]["loss"]
+    exported = tmp_path / "exported"
+    ok(convert("export", save, exported))
+    with torch.no_grad():
+        after = hf_model(exported)(sample, labels=sample).loss.item()
+    assert abs(after - val) < 1e-3, (after, val)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def refused(capsys, *argv):
+    from litespark_megatron import hf
+
+    assert hf.main([*map(str, argv), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("litespark-convert: error: "), err
+    return err
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    return make_hf_llama(tmp_path_factory.mktemp("hf") / "model", tied=False)
+
+
+def copy_of(tiny_hf, tmp_path):
+    import shutil
+
+    return shutil.copytree(tiny_hf, tmp_path / "copy")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "mistral"}, "model_type is 'mistral'; only Llama-architecture models"),
+    ({"attention_bias": True}, "attention_bias = True (attention with biases)"),
+    ({"sliding_window": 4096}, "sliding_window = 4096 (sliding-window attention)"),
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 2.0}},
+     "rope_scaling.low_freq_factor = 2.0"),
+    ({"intermediate_size": 128}, "model.layers.0.mlp.gate_proj.weight has shape [160, 64] but config.json implies "
+                                 "[128, 64]"),
+])
+def test_import_refuses_what_is_not_this_llama(tiny_hf, tmp_path, capsys, change, message):
+    hf = copy_of(tiny_hf, tmp_path)
+    edit_config(hf, **change)
+    assert message in refused(capsys, "import", hf, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.partial")
+
+
+def test_import_refuses_a_directory_that_is_not_a_hf_model_and_missing_shards(tiny_hf, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert "is not a Hugging Face model directory: it has no config.json" in \
+        refused(capsys, "import", tmp_path / "empty", tmp_path / "out")
+    hf = copy_of(tiny_hf, tmp_path)
+    os.rename(hf / "model.safetensors", hf / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {name: f"model-0000{1 + i % 2}-of-00002.safetensors"
+                            for i, name in enumerate(hf_tensors(tiny_hf))}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "shard model-00002-of-00002.safetensors is listed in model.safetensors.index.json but missing" in \
+        refused(capsys, "import", hf, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_conversion_refuses_an_output_that_exists_and_is_not_empty(tiny_hf, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    message = "exists and is not an empty directory: give a new output directory"
+    assert message in refused(capsys, "import", tiny_hf, tmp_path / "out")
+    assert message in refused(capsys, "export", tiny_hf, tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
