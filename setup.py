@@ -29,11 +29,14 @@ setup(
         "dev": ["pytest>=7", "matplotlib"],
         # Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir log to Weights & Biases.
         "wandb": ["wandb"],
+        # litespark-convert: Hugging Face Llama checkpoints in and out (transformers is a dependency already).
+        "hf": ["transformers", "safetensors", "tqdm"],
     },
     entry_points={
         "console_scripts": [
             "litespark-train=litespark_megatron.pretrain:main",
             "litespark-preprocess=litespark_megatron.corpus:preprocess_main",
+            "litespark-convert=litespark_megatron.hf:main",
         ],
     },
 )

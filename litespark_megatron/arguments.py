@@ -17,7 +17,9 @@ before any work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
 import os
 import re
 import sys
@@ -374,6 +376,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
             raise ConfigError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt); point "
                               "--load at the --save directory of an earlier run (the same directory as --save "
                               "starts fresh when it holds none yet)")
+    for directory in (args.load, args.pretrained_checkpoint):
+        _check_checkpoint(args, directory)
     from .legacy import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
@@ -489,15 +493,70 @@ def resolve_quietly(argv: Sequence[str], plat=None) -> argparse.Namespace:
             from None
 
 
-def model_vocab_size(args) -> int:
-    """The output layer's rows as megatron.training will build them: its tokenizer's vocabulary (a text tokenizer's
-    own size, --vocab-size for NullTokenizer), padded to a multiple of --make-vocab-size-divisible-by x TP."""
+def _megatron_tokenizer(args):
+    """(megatron.training's tokenizer for these args, the padded vocabulary it gives), without touching args."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     probe = argparse.Namespace(**vars(args))
     probe.padded_vocab_size, probe.rank = None, 1  # a copy, and no "padded vocab" log line
-    build_tokenizer(probe)
-    return probe.padded_vocab_size
+    return build_tokenizer(probe), probe.padded_vocab_size
+
+
+def model_vocab_size(args) -> int:
+    """The output layer's rows as megatron.training will build them: its tokenizer's vocabulary (a text tokenizer's
+    own size, --vocab-size for NullTokenizer), padded to a multiple of --make-vocab-size-divisible-by x TP."""
+    return _megatron_tokenizer(args)[1]
+
+
+def _check_checkpoint(args, load_dir: Optional[str]) -> None:
+    """What a run must know of the torch_dist checkpoint it loads, before any process group.
+
+    - It must have an embedding row for every id of the run's tokenizer: megatron-core loads a smaller table into
+      the larger one without a word (the rows beyond it start at zero). An imported HF checkpoint has exactly its
+      vocabulary's rows, so this is where a tokenizer of another model is caught.
+    - Transformer Engine modules save their FP8 state as `_extra_state`; a checkpoint of megatron-core's local modules
+      (a CPU run, `litespark-convert import`) or of another spec lacks some of it, and megatron-core's default
+      strictness then fails on the first one. Such a checkpoint is loaded with `--dist-ckpt-strictness
+      log_unexpected` (the missing TE state starts fresh, as in a new model), unless the run chose a strictness.
+    """
+    from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
+                                                 get_checkpoint_tracker_filename, read_metadata)
+
+    if not load_dir or not checkpoint_exists(load_dir):
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        iteration, release = read_metadata(get_checkpoint_tracker_filename(load_dir))
+    directory = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):
+        return  # not a torch_dist checkpoint: megatron.training's loader speaks for it
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    embedding = keys.get("embedding.word_embeddings.weight")
+    if embedding is not None:
+        rows, vocab = embedding.size[0], _megatron_tokenizer(args)[0].vocab_size
+        if vocab > rows:
+            raise ConfigError(f"the tokenizer has {vocab} tokens but the checkpoint in {load_dir} has embeddings for "
+                              f"{rows}: they are not one model's (an imported model's tokenizer is in its tokenizer/ "
+                              "directory, and its model.yaml names it)")
+    if args.transformer_impl == "transformer_engine" and args.dist_ckpt_strictness == "assume_ok_unexpected":
+        objects = {key.split("/shard_")[0] for key in keys}
+        missing = [key for key in _te_only_state(args) if key not in objects]
+        if missing:
+            args.dist_ckpt_strictness = "log_unexpected"
+            print(f"{PROG}: {directory} holds no {missing[0]} (saved by other modules than this run's Transformer "
+                  "Engine layer: megatron-core's local modules, or another spec): loading it with "
+                  "--dist-ckpt-strictness log_unexpected, that state starts fresh", flush=True)
+
+
+def _te_only_state(args) -> List[str]:
+    """The `_extra_state` (FP8 metadata) a Transformer Engine run's model saves and a checkpoint of megatron-core's
+    local modules lacks: TE's final norm, and on megatron-core's own layer TE's core attention (the Litespark core
+    attention, its linears and megatron-core's have one on every backend)."""
+    state = ["decoder.final_layernorm._extra_state"]
+    if args.litespark_spec in ("stock", "stock-te"):
+        state.append("decoder.layers.self_attention.core_attention._extra_state")
+    return state
 
 
 def parse(argv: Sequence[str], plat) -> argparse.Namespace:

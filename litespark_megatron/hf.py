@@ -20,7 +20,8 @@ other values are refused). The vocabulary is stored unpadded; the rows Megatron-
 out of the logits (model.py) and dropped on export.
 
 Memory: import writes each converted tensor into a file-backed buffer beside the output (the page cache holds it,
-not the process), so host memory stays near one tensor; export holds one layer and one output shard.
+not the process), so the process holds about one tensor; export holds one layer and one output shard
+(--max-shard-size).
 """
 from __future__ import annotations
 
@@ -297,24 +298,22 @@ def single_process_group() -> Iterator[None]:
 
 
 class FileBackedTensors:
-    """Tensors in one shared file mapping: the page cache holds them (and writes them back under memory pressure),
-    so converting a model larger than host memory stays possible. The file is deleted on close."""
+    """Tensors in shared file mappings, one file each: the page cache holds them (and writes them back under memory
+    pressure), so converting a model larger than host memory stays possible. One file per tensor because the
+    checkpoint writer copies a tensor that is a view into a larger storage. The files are deleted on close."""
 
-    def __init__(self, path: str, numel: int, dtype: torch.dtype) -> None:
-        self.path = path
-        self._flat = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)
-        self._offset = 0
+    def __init__(self, directory: str, dtype: torch.dtype) -> None:
+        self.directory, self.dtype = directory, dtype
+        os.makedirs(directory)
+        self._count = 0
 
     def new(self, shape) -> torch.Tensor:
-        n = math.prod(shape)
-        view = self._flat[self._offset:self._offset + n].view(shape)
-        self._offset += n
-        return view
+        self._count += 1
+        path = os.path.join(self.directory, f"{self._count}.bin")
+        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=self.dtype).view(shape)
 
     def close(self) -> None:
-        self._flat = None
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -435,8 +434,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
             unknown = sorted(set(params) - set(keys))
             if unknown:
                 raise RuntimeError(f"no checkpoint key for parameter {unknown[0]}")
-            buffer = FileBackedTensors(os.path.join(tmp, ".import-buffer"),
-                                       sum(p.numel() for p in params.values()), torch_dtype)
+            buffer = FileBackedTensors(os.path.join(tmp, ".import-buffer"), torch_dtype)
             try:
                 with _progress(len(params), "import", quiet) as bar:
                     for name, param in params.items():

@@ -47,6 +47,6 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 stamp="$VIRTUAL_ENV/.litespark-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ]; then
-  python -m pip install -q -e "$ROOT[dev]"
+  python -m pip install -q -e "$ROOT[dev,hf]"
   touch "$stamp"
 fi

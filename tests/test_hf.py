@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TESTS, child_env, free_port, ok, records, run, torchrun, train
+from conftest import TESTS, free_port, ok, records, run, torchrun, train
 
 VOCAB = 301  # TP pads it (to 384 at TP1, 512 at TP2): the padded rows must not change logits or loss
 SEQ = 32
@@ -35,6 +35,18 @@ def make_hf_llama(path, tied: bool, seed: int = 0):
                 param.normal_(1.0, 0.2)  # not all ones: a swapped norm shows
     model.save_pretrained(path)
     return path
+
+
+def save_word_tokenizer(path):
+    """A HF tokenizer with exactly VOCAB tokens (t0 ... and <s>, </s>), saved as transformers does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)}
+    vocab.update({"<s>": VOCAB - 2, "</s>": VOCAB - 1})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>").save_pretrained(path)
 
 
 def hf_model(path):
@@ -81,45 +93,61 @@ def assert_same_logits(ours, reference):
     assert reference.abs().max() > 1.0  # the comparison has something to compare
 
 
-def test_import_untied_loads_in_tp2_pp2_and_tp2pp2_with_transformers_logits_and_exports_bit_exactly(tmp_path):
-    hf = make_hf_llama(tmp_path / "hf", tied=False)
-    ckpt = tmp_path / "ckpt"
-    ok(convert("import", hf, ckpt))
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
-    tokens = tokens_for(1)
-    reference = hf_logits(hf, tokens)
-    for nproc, layout in ((2, ["--tensor-model-parallel-size", "2"]), (2, ["--pipeline-model-parallel-size", "2"]),
-                          (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])):
-        assert_same_logits(megatron_logits(tmp_path, ckpt, tokens, nproc, *layout), reference)
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A HF model and its import, shared by the tests that only read them."""
+    tmp = tmp_path_factory.mktemp("untied")
+    hf = make_hf_llama(tmp / "hf", tied=False)
+    save_word_tokenizer(hf)
+    ok(convert("import", hf, tmp / "ckpt"))
+    return hf, tmp / "ckpt"
 
-    exported = tmp_path / "exported"
-    ok(convert("export", ckpt, exported))
-    original, back = hf_tensors(hf), hf_tensors(exported)
+
+def test_import_loads_in_tp2pp2_with_transformers_logits(untied, tmp_path):
+    """TP2 x PP2: every tensor split by TP (the QKV groups, [gate; up], the vocabulary padded to 512) and the layers
+    by PP (PP2 alone: the tied test)."""
+    hf, ckpt = untied
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    assert (ckpt / "tokenizer" / "tokenizer.json").is_file()  # model.yaml names it: the run's tokenizer
+    tokens = tokens_for(1)
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert_same_logits(megatron_logits(tmp_path, ckpt, tokens, 4, *layout), hf_logits(hf, tokens))
+
+
+def test_export_gives_the_imported_tensors_bit_for_bit_and_a_config_that_imports_the_same(untied, tmp_path):
+    hf, ckpt = untied
+    first = tmp_path / "first"
+    ok(convert("export", ckpt, first))
+    original, back = hf_tensors(hf), hf_tensors(first)
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    assert torch.equal(hf_logits(exported, tokens), reference)
-    config = json.loads((exported / "config.json").read_text())
+    tokens = tokens_for(1)
+    assert torch.equal(hf_logits(first, tokens), hf_logits(hf, tokens))
+    config = json.loads((first / "config.json").read_text())
     assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["factor"] == 8.0
     assert config["vocab_size"] == VOCAB and not config["tie_word_embeddings"]
+    # The exported config.json reads back as the original's model; with the tensors equal bit for bit, importing
+    # the export is importing the original (export -> import -> export without two more processes).
+    from litespark_megatron import hf as convert_module
+
+    assert convert_module.model_flags(convert_module.read_config(first)) == \
+        convert_module.model_flags(convert_module.read_config(hf))
 
 
-def test_import_tied_loads_in_pp2_and_export_import_export_is_byte_identical(tmp_path):
+def test_tied_import_loads_in_pp2_and_exports_bit_for_bit(tmp_path):
     """Llama-3.2 ties the embedding and the output layer; under PP2 the last stage holds a copy of the embedding."""
     hf = make_hf_llama(tmp_path / "hf", tied=True)
-    ckpt = tmp_path / "ckpt"
+    ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
     ok(convert("import", hf, ckpt))
     tokens = tokens_for(2)
     assert_same_logits(megatron_logits(tmp_path, ckpt, tokens, 2, "--pipeline-model-parallel-size", "2"),
                        hf_logits(hf, tokens))
-    first, again, second = tmp_path / "first", tmp_path / "again", tmp_path / "second"
-    ok(convert("export", ckpt, first))
-    ok(convert("import", first, again))
-    ok(convert("export", again, second))
-    a, b = hf_tensors(first), hf_tensors(second)
-    assert "lm_head.weight" not in a and sorted(a) == sorted(b) == sorted(hf_tensors(hf))
-    assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
-    assert json.loads((first / "config.json").read_text())["tie_word_embeddings"] is True
+    ok(convert("export", ckpt, exported))
+    original, back = hf_tensors(hf), hf_tensors(exported)
+    assert "lm_head.weight" not in back and sorted(back) == sorted(original)
+    assert all(torch.equal(back[n], original[n]) for n in original)
+    assert json.loads((exported / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 def write_repeated_document(prefix, document):
@@ -133,10 +161,9 @@ def write_repeated_document(prefix, document):
         writer.commit()
 
 
-def test_finetune_starts_from_transformers_loss_and_the_trained_model_exports_with_its_validation_loss(tmp_path):
-    hf = make_hf_llama(tmp_path / "hf", tied=False)
-    ckpt = tmp_path / "ckpt"
-    ok(convert("import", hf, ckpt))
+def test_finetune_starts_from_transformers_loss_and_the_trained_model_exports_with_its_validation_loss(untied,
+                                                                                                     tmp_path):
+    hf, ckpt = untied
     document = tokens_for(3, rows=1)[0]
     write_repeated_document(tmp_path / "data", document.tolist())
     sample = torch.cat([document, document[:1]]).unsqueeze(0)
@@ -156,6 +183,12 @@ def test_finetune_starts_from_transformers_loss_and_the_trained_model_exports_wi
     val = [r for r in records(metrics, "val") if r["step"] == 20][-1]["loss"]
     exported = tmp_path / "exported"
     ok(convert("export", save, exported))
+    # The run's HF tokenizer (the import's tokenizer/) ships with the model, and names BOS and EOS in its config.
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(exported).convert_tokens_to_ids("</s>") == VOCAB - 1
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (VOCAB - 2, VOCAB - 1)
     with torch.no_grad():
         after = hf_model(exported)(sample, labels=sample).loss.item()
     assert abs(after - val) < 1e-3, (after, val)
@@ -177,9 +210,9 @@ def edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-    return make_hf_llama(tmp_path_factory.mktemp("hf") / "model", tied=False)
+@pytest.fixture
+def tiny_hf(untied):
+    return untied[0]
 
 
 def copy_of(tiny_hf, tmp_path):
@@ -227,3 +260,40 @@ def test_conversion_refuses_an_output_that_exists_and_is_not_empty(tiny_hf, tmp_
     assert message in refused(capsys, "import", tiny_hf, tmp_path / "out")
     assert message in refused(capsys, "export", tiny_hf, tmp_path / "out")
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+def test_a_run_whose_tokenizer_outgrows_the_checkpoints_embedding_is_refused(untied):
+    """megatron-core would load the 301-row embedding into a 400-token model without a word."""
+    from litespark_megatron import arguments
+    from litespark_megatron.platform import Platform
+
+    _, ckpt = untied
+    cpu = Platform("cpu", "gloo", False, False, "cpu")
+    run_flags = ["--config", str(ckpt / "model.yaml"), "--load", str(ckpt), "--mock-data", "--micro-batch-size", "1",
+                 "--seq-length", "32", "--lr", "1e-3", "--train-iters", "1", "--eval-interval", "10"]
+    arguments.check(arguments.resolve(run_flags, cpu), cpu)  # its own vocabulary: fine
+    with pytest.raises(arguments.ConfigError, match=f"the tokenizer has 400 tokens but the checkpoint in {ckpt} has "
+                                                    "embeddings for 301: they are not one model's"):
+        arguments.check(arguments.resolve(run_flags + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "400"],
+                                          cpu), cpu)
+
+
+def test_a_transformer_engine_run_loads_an_import_without_the_te_state_it_lacks(untied, capsys):
+    """The import is written by megatron-core's local modules: no `_extra_state` of TE's final norm (nor of TE's
+    core attention, on the stock spec). A TE run loads it with log_unexpected strictness, and says so."""
+    from litespark_megatron import arguments
+    from litespark_megatron.platform import Platform
+
+    _, ckpt = untied
+    gpu = Platform("cuda", "nccl", True, True, "NVIDIA H200")
+    flags = ["--config", str(ckpt / "model.yaml"), "--load", str(ckpt), "--mock-data", "--micro-batch-size", "1",
+             "--seq-length", "32", "--lr", "1e-3", "--train-iters", "1", "--eval-interval", "10"]
+    args = arguments.resolve(flags + ["--transformer-impl", "transformer_engine"], gpu)
+    arguments.check(args, gpu)
+    assert args.dist_ckpt_strictness == "log_unexpected"
+    assert "holds no decoder.final_layernorm._extra_state" in capsys.readouterr().out
+    for chosen in (["--transformer-impl", "local"], ["--transformer-impl", "transformer_engine",
+                                                     "--dist-ckpt-strictness", "raise_all"]):
+        args = arguments.resolve(flags + chosen, gpu)
+        arguments.check(args, gpu)
+        assert args.dist_ckpt_strictness == ("assume_ok_unexpected" if "local" in chosen else "raise_all")
