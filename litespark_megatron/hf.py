@@ -19,9 +19,10 @@ scaling is megatron-core's --use-rope-scaling (its low/high frequency factors an
 other values are refused). The vocabulary is stored unpadded; the rows Megatron-LM pads it with for TP are masked
 out of the logits (model.py) and dropped on export.
 
-Memory: import writes each converted tensor into a file-backed buffer beside the output (the page cache holds it,
-not the process), so the process holds about one tensor; export holds one layer and one output shard
-(--max-shard-size).
+Memory: import writes each converted tensor into its own file-backed buffer beside the output (the page cache holds
+it, not the process); the checkpoint writer still copies the two halves of each GLU `linear_fc1` ([gate; up] is
+saved as two views), so the process holds about those weights (2.8 GB of a 3B Llama). Export holds one layer and
+one output shard (--max-shard-size).
 """
 from __future__ import annotations
 
