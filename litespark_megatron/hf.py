@@ -20,9 +20,8 @@ other values are refused). The vocabulary is stored unpadded; the rows Megatron-
 out of the logits (model.py) and dropped on export.
 
 Memory: import writes each converted tensor into its own file-backed buffer beside the output (the page cache holds
-it, not the process); the checkpoint writer still copies the two halves of each GLU `linear_fc1` ([gate; up] is
-saved as two views), so the process holds about those weights (2.8 GB of a 3B Llama). Export holds one layer and
-one output shard (--max-shard-size).
+it, not the process), so the process holds about one tensor at a time; export holds one layer and one output shard
+(--max-shard-size).
 """
 from __future__ import annotations
 
@@ -167,16 +166,19 @@ def read_config(hf_dir: str) -> dict:
             raise ConversionError(f"{path}: {field} is missing or not a positive integer")
     rope = dict(config.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = config.get("rope_scaling") or (rope if rope_type != "default" else None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
+    scaling = config.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        scaling = None
+    else:
         if kind != "llama3":
             raise ConversionError(f"{path}: rope_scaling type {kind!r}; only Llama 3's ('llama3') is supported")
         for field, value in LLAMA3_ROPE.items():
             if float(scaling.get(field, value)) != value:
                 raise ConversionError(f"{path}: rope_scaling.{field} = {scaling[field]}; megatron-core's llama3 "
                                       f"RoPE scaling computes {field} = {value:g} (Llama 3.1-3.3's)")
+        if not isinstance(scaling.get("factor"), (int, float)):
+            raise ConversionError(f"{path}: rope_scaling has no factor")
         scaling = {"rope_type": "llama3", "factor": float(scaling["factor"]), **LLAMA3_ROPE}
     if float(theta) != int(theta):
         raise ConversionError(f"{path}: rope_theta = {theta}; Megatron-LM's --rotary-base takes an integer")
@@ -229,7 +231,6 @@ class HfWeights:
             self.files = {name: os.path.join(hf_dir, f) for name, f in weight_map.items()}
         elif os.path.isfile(single):
             self.files = None
-            self._single = single
         else:
             found = glob.glob(os.path.join(hf_dir, "*.safetensors"))
             other = glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(os.path.join(hf_dir, "*.pt"))
@@ -263,7 +264,9 @@ class HfWeights:
         if missing:
             raise ConversionError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all) although "
                                   "config.json implies it")
-        extra = [n for n in self.files if n not in expected and not n.endswith("rotary_emb.inv_freq")]
+        # a tied model may still carry its (identical) lm_head; rotary inv_freq buffers are recomputed
+        extra = [n for n in self.files if n not in expected and not n.endswith("rotary_emb.inv_freq") and
+                 not (n == "lm_head.weight" and "lm_head.weight" not in expected)]
         if extra:
             raise ConversionError(f"{where}: tensor {extra[0]} is not part of a Llama model as config.json describes "
                                   f"it ({len(extra)} such tensors)")
@@ -276,9 +279,11 @@ class HfWeights:
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.files[name]).get_tensor(name)
 
-    def dtype(self) -> torch.dtype:
-        name = next(iter(self.files))
-        return self.get(name).dtype
+    def dtype(self) -> Optional[torch.dtype]:
+        """The stored dtype of the embedding (from the file's header), None if not bf16/fp16/fp32."""
+        name = "model.embed_tokens.weight"
+        stored = self._handle(self.files[name]).get_slice(name).get_dtype()
+        return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(stored)
 
 
 # --------------------------------------------------------------------------------------------- one process
@@ -355,8 +360,9 @@ def _import_args(flags: Dict[str, object], save: str, dtype: torch.dtype):
 
     argv = as_flags({**flags, "spec": "litespark", "transformer-impl": "local", "tokenizer-type": "NullTokenizer",
                      # unpadded: the rows a run pads the vocabulary with depend on its TP (and are masked)
-                     "make-vocab-size-divisible-by": 1, "seq-length": min(int(flags["max-position-embeddings"]), 4096),
-                     "micro-batch-size": 1, "ckpt-format": "torch_dist", "save": save, "save-interval": 1, "no-save-optim": True,
+                     "make-vocab-size-divisible-by": 1,
+                     "seq-length": min(int(flags["max-position-embeddings"]), 4096), "micro-batch-size": 1,
+                     "ckpt-format": "torch_dist", "save": save, "save-interval": 1, "no-save-optim": True,
                      "no-save-rng": True, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
                      "mock-data": True, "skip-train": True, "use-cpu-initialization": True}, "import")
     args = resolve_quietly(argv)
@@ -421,8 +427,8 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
     if tokenizer_dir is not None:
         _check_tokenizer(tokenizer_dir, shape.vocab)
     torch_dtype = DTYPES[dtype] if dtype else weights.dtype()
-    if torch_dtype not in DTYPES.values():
-        raise ConversionError(f"{hf_dir}: weights of dtype {torch_dtype}; give --dtype bf16, fp16 or fp32")
+    if torch_dtype is None:
+        raise ConversionError(f"{hf_dir}: weights stored in another dtype than bf16, fp16 or fp32; give --dtype")
     tmp = _start(out)
     try:
         with single_process_group():
@@ -445,7 +451,12 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
                         target.copy_(fused)
                         _replace_parameter(model, name, target)
                         bar.update()
-                with contextlib.redirect_stdout(sys.stderr if not quiet else open(os.devnull, "w")):
+                # megatron-core saves a GLU fc1 as its two halves [gate; up], views of the parameter, which the
+                # checkpoint writer copies into process memory (about half of a Llama's layer weights). Saved
+                # whole, fc1 is written from its file as is; a checkpoint stores chunks of a tensor, and a GLU
+                # model reads its halves from them in any layout (tests/test_hf.py loads it in TP2 x PP2).
+                model.config.gated_linear_unit = False
+                with contextlib.redirect_stdout(sys.stderr if not quiet else io.StringIO()):
                     save_checkpoint(0, [model], None, None, 0, release=True)
             finally:
                 buffer.close()
@@ -554,7 +565,7 @@ def hf_config(args, shape: Shape, vocab: int, dtype: torch.dtype, tokenizer=None
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
     if args.use_rope_scaling:
         rope = {**rope, "rope_type": "llama3", "factor": float(args.rope_scaling_factor), **LLAMA3_ROPE}
-    special = {}
+    special = {"bos_token_id": None, "eos_token_id": None}  # unknown without the run's tokenizer
     if tokenizer is not None:
         tok, directory = tokenizer
         from .data import _special_token_name

@@ -16,9 +16,10 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "64"
        "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm"]
 
 LAYOUTS = {
-    "moe-ep2-alltoall": (2, MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
-    "moe-ep2-allgather-shared-expert": (2, MOE + ["--moe-shared-expert-intermediate-size", "64"],
-                                        ["--expert-model-parallel-size", "2"]),
+    # megatron-core's default dispatcher (allgather) runs in the TP2 and CP2 layouts below.
+    "moe-ep2-alltoall-shared-expert": (2, MOE + ["--moe-shared-expert-intermediate-size", "64"],
+                                       ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                        "alltoall"]),
     # The MoE auxiliary loss's gradient under SP (the router sees 1/TP of the sequence) and the distributed
     # optimizer over expert and dense parameters.
     "moe-tp2-sp-ep2-distopt": (4, MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
