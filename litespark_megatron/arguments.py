@@ -508,6 +508,19 @@ def model_vocab_size(args) -> int:
     return _megatron_tokenizer(args)[1]
 
 
+def latest_checkpoint_dir(load_dir: str) -> Optional[str]:
+    """The checkpoint directory (iter_N or release) the tracker of a --load/--save directory names, None if there
+    is none (megatron.training's own tracker and names)."""
+    from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
+                                                 get_checkpoint_tracker_filename, read_metadata)
+
+    if not checkpoint_exists(load_dir):
+        return None
+    with contextlib.redirect_stdout(io.StringIO()):  # read_metadata prints on every rank
+        iteration, release = read_metadata(get_checkpoint_tracker_filename(load_dir))
+    return get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+
+
 def _check_checkpoint(args, load_dir: Optional[str]) -> None:
     """What a run must know of the torch_dist checkpoint it loads, before any process group.
 
@@ -519,16 +532,9 @@ def _check_checkpoint(args, load_dir: Optional[str]) -> None:
       strictness then fails on the first one. Such a checkpoint is loaded with `--dist-ckpt-strictness
       log_unexpected` (the missing TE state starts fresh, as in a new model), unless the run chose a strictness.
     """
-    from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
-                                                 get_checkpoint_tracker_filename, read_metadata)
-
-    if not load_dir or not checkpoint_exists(load_dir):
-        return
-    with contextlib.redirect_stdout(io.StringIO()):
-        iteration, release = read_metadata(get_checkpoint_tracker_filename(load_dir))
-    directory = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-    if not os.path.isfile(os.path.join(directory, "metadata.json")):
-        return  # not a torch_dist checkpoint: megatron.training's loader speaks for it
+    directory = latest_checkpoint_dir(load_dir) if load_dir else None
+    if directory is None or not os.path.isfile(os.path.join(directory, "metadata.json")):
+        return  # none there, or not a torch_dist checkpoint: megatron.training's loader speaks for it
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(directory).read_metadata().state_dict_metadata

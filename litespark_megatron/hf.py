@@ -507,23 +507,21 @@ def _write_model_yaml(path: str, flags: Dict[str, object], tokenizer_dir: Option
 # --------------------------------------------------------------------------------------------- export
 def checkpoint_dir(path: str) -> str:
     """The checkpoint directory a --load/--save directory's tracker names, or `path` itself if it is one."""
-    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+    from .arguments import latest_checkpoint_dir
 
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
-    tracker = get_checkpoint_tracker_filename(path)
-    if not os.path.isfile(tracker):
+    found = latest_checkpoint_dir(path)
+    if found is None:
         raise ConversionError(f"{path}: not a Megatron-LM checkpoint (no latest_checkpointed_iteration.txt, and not "
                               "an iter_* directory)")
-    iteration, release = read_metadata(tracker)
-    found = get_checkpoint_name(path, iteration, release, return_base_dir=True)
     if not os.path.isfile(os.path.join(found, "metadata.json")):
         raise ConversionError(f"{found}: not a torch_dist checkpoint (no metadata.json); export reads Megatron-LM's "
                               "default --ckpt-format torch_dist")
     return found
 
 
-def _checkpoint_shape(args, metadata) -> Shape:
+def _checkpoint_shape(args, metadata, vocab: int) -> Shape:
     """The checkpoint's model, refused if it is not a Llama."""
     llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
         not getattr(args, "add_qkv_bias", False) and args.position_embedding_type == "rope" and \
@@ -539,21 +537,21 @@ def _checkpoint_shape(args, metadata) -> Shape:
     heads = args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
     return Shape(args.num_layers, args.hidden_size, args.ffn_hidden_size, heads, groups,
-                 args.kv_channels or args.hidden_size // heads, 0, not args.untie_embeddings_and_output_weights)
+                 args.kv_channels or args.hidden_size // heads, vocab, not args.untie_embeddings_and_output_weights)
 
 
 def _true_vocab(args, rows: int, vocab: Optional[int]) -> int:
-    """The vocabulary without Megatron-LM's TP padding: --vocab-size given to export, else the run's tokenizer."""
+    """The vocabulary without Megatron-LM's TP padding: --vocab-size given to export, else the run's tokenizer as
+    megatron.training builds it (the size whose padded rows the trainer masked)."""
     if vocab is None:
-        if args.tokenizer_type == "NullTokenizer" and args.vocab_size:
-            vocab = args.vocab_size
-        elif args.tokenizer_model and os.path.isdir(args.tokenizer_model):
-            from .data import load_tokenizer
+        from .arguments import _megatron_tokenizer
 
-            vocab = load_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
-        else:
-            raise ConversionError(f"cannot tell the vocabulary without padding (tokenizer {args.tokenizer_type} "
-                                  f"{args.tokenizer_model}): give --vocab-size")
+        try:
+            vocab = _megatron_tokenizer(args)[0].vocab_size
+        except Exception as e:  # a tokenizer path that is gone, a library that is missing: megatron raises anything
+            raise ConversionError(f"cannot build the run's tokenizer ({args.tokenizer_type} {args.tokenizer_model}: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}) to tell the vocabulary "
+                                  "without padding: give --vocab-size") from None
     if vocab > rows:
         raise ConversionError(f"--vocab-size {vocab} is larger than the checkpoint's embedding ({rows} rows)")
     return vocab
@@ -656,9 +654,9 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
             raise ConversionError(f"{directory}: the checkpoint has no Megatron-LM arguments (a checkpoint of "
                                   "litespark-megatron's old trainer: load it with --finetune and save it once)")
         metadata = dist_checkpointing.load_tensors_metadata(directory)
-        shape = _checkpoint_shape(args, metadata)
-        rows = metadata[EMBEDDING].global_shape[0]
-        shape = Shape(**{**shape.__dict__, "vocab": _true_vocab(args, rows, vocab)})
+        if EMBEDDING not in metadata:
+            raise ConversionError(f"the checkpoint has no tensor {EMBEDDING}")
+        shape = _checkpoint_shape(args, metadata, _true_vocab(args, metadata[EMBEDDING].global_shape[0], vocab))
         tokenizer_dir = tokenizer or (args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" and
                                       args.tokenizer_model and os.path.isdir(args.tokenizer_model) else None)
         tok = None
