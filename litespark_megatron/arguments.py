@@ -106,6 +106,15 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="after training, print the model's greedy continuation of this prompt (a text tokenizer "
                         "and pipeline-parallel size 1 needed)")
     g.add_argument("--sample-tokens", type=int, default=64, help="tokens to generate for --sample-prompt")
+    g.add_argument("--hang-timeout-factor", type=float, default=None, metavar="F",
+                   help="stop the run (exit 1, with each thread's stack of the rank) when a training step takes F "
+                        "times the median step and at least --hang-timeout-min-seconds; default: off (NCCL's "
+                        "--distributed-timeout-minutes only)")
+    g.add_argument("--hang-timeout-min-seconds", type=float, default=60.0, metavar="S",
+                   help="the least time a step may take before --hang-timeout-factor calls it hung (default 60)")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="K",
+                   help="keep the K newest complete checkpoints in --save and delete older ones once a newer save "
+                        "is complete (the one the tracker names is never deleted); default: keep all")
 
     def error(message):
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
@@ -359,6 +368,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
         args.tokenizer_type = "NullTokenizer"  # mock data: token ids only (Megatron-LM's example does the same)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size (the model's vocabulary)")
+    _check_run_control(args)
     if args.save and args.save_interval is None:
         raise ConfigError("--save needs --save-interval N: the iterations between checkpoints (Megatron-LM also "
                           "saves when training ends)")
@@ -381,6 +391,39 @@ def check(args, plat, world: Optional[int] = None) -> None:
     from .legacy import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
+
+
+def _check_run_control(args) -> None:
+    """Checkpoint and exit flags Megatron-LM takes without a word and then does something else with."""
+    if args.keep_last_checkpoints is not None:
+        if args.keep_last_checkpoints < 1:
+            raise ConfigError(f"--keep-last-checkpoints {args.keep_last_checkpoints}: keep at least 1 checkpoint "
+                              "(leave the flag out to keep them all)")
+        if not args.save:
+            raise ConfigError("--keep-last-checkpoints needs --save: it prunes the checkpoints of --save")
+    if args.hang_timeout_factor is not None and not args.hang_timeout_factor > 1:
+        raise ConfigError(f"--hang-timeout-factor {args.hang_timeout_factor:g}: a step is hung when it takes F times "
+                          "the median step; give F > 1 (e.g. 10)")
+    if not args.hang_timeout_min_seconds > 0:
+        raise ConfigError(f"--hang-timeout-min-seconds {args.hang_timeout_min_seconds:g}: give seconds > 0")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins}: give the minutes of training "
+                          "after which the run saves and exits, a number > 0")
+    if args.async_save:
+        if not args.save:
+            raise ConfigError("--async-save needs --save: it saves checkpoints in the background, and without "
+                              "--save there are none")
+        if not args.use_persistent_ckpt_worker:
+            # megatron-core 0.19 would switch --async-save off with a warning, and every save would block.
+            raise ConfigError("--async-save needs --use-persistent-ckpt-worker (megatron-core's background writer; "
+                              "without it megatron-core turns --async-save off)")
+        if args.async_strategy == "nvrx":
+            import importlib.util
+
+            if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+                raise ConfigError("--async-save with --async-strategy nvrx (Megatron-LM's default) needs "
+                                  "nvidia-resiliency-ext, which is not installed: add --async-strategy mcore "
+                                  "(megatron-core's own writer), or pip install nvidia-resiliency-ext")
 
 
 def _check_moe(args, plat, world: int) -> None:
@@ -569,6 +612,13 @@ def parse(argv: Sequence[str], plat) -> argparse.Namespace:
     """argv -> megatron.training's validated args, also set as its global args (get_args())."""
     from megatron.training.global_vars import set_global_variables
 
+    args = parse_checked(argv, plat)
+    set_global_variables(args)
+    return args
+
+
+def parse_checked(argv: Sequence[str], plat) -> argparse.Namespace:
+    """argv -> megatron.training's validated args, not yet its global args (which open TensorBoard and W&B)."""
     args = resolve(argv, plat)
     if args.use_checkpoint_args:
         from megatron.training.checkpointing import load_args_from_checkpoint
@@ -580,5 +630,4 @@ def parse(argv: Sequence[str], plat) -> argparse.Namespace:
     check(args, plat)
     megatron_validate(args)
     model_config_check(args)
-    set_global_variables(args)
     return args

@@ -590,3 +590,49 @@ def check(args) -> None:
     infos = [inspect_prefix(p) for p in prefixes]
     train_samples = 0 if args.skip_train else (args.train_iters or args.train_samples)
     check_split(infos, args.split or "969,30,1", [train_samples, None, None])
+    if int(os.environ.get("RANK", "0")) == 0:  # one scan per job; a refusal on rank 0 ends every rank
+        from .arguments import _megatron_tokenizer
+
+        vocab = _megatron_tokenizer(args)[0].vocab_size
+        for info in infos:
+            check_token_ids(info, vocab)
+
+
+def check_token_ids(info: PrefixInfo, vocab: int) -> None:
+    """Every token id of a prefix is below the tokenizer's vocabulary. Otherwise the embedding lookup fails with an
+    IndexError deep in the first step (on a GPU, a device-side assert that kills the process). The largest id is
+    read from the .bin once and cached by the file's path, size and modification time; a dtype that cannot hold an
+    id >= vocab needs no scan."""
+    if np.iinfo(np.dtype(info.dtype)).max < vocab:
+        return
+    largest = _largest_token_id(info.prefix + ".bin", np.dtype(info.dtype))
+    if largest is not None and largest >= vocab:
+        raise DataError(f"{info.prefix}.bin holds token id {largest}, but the tokenizer has {vocab} ids (0 to "
+                        f"{vocab - 1}): the data was tokenized with another tokenizer; give the data's tokenizer "
+                        "(for NullTokenizer, a --vocab-size above the largest id)")
+
+
+def _largest_token_id(path: str, dtype: np.dtype) -> Optional[int]:
+    from .arguments import cache_root
+
+    stat = os.stat(path)
+    key = hashlib.sha1(f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = os.path.join(cache_root(), "token-range", key + ".json")
+    try:
+        with open(cached, encoding="utf-8") as f:
+            return json.load(f)["largest_token_id"]
+    except (OSError, ValueError, KeyError):
+        pass
+    count = stat.st_size // dtype.itemsize
+    if count == 0:
+        return None
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    chunk = 1 << 26  # 64 M tokens at a time: bounded memory, numpy speed
+    largest = max(int(tokens[i:i + chunk].max()) for i in range(0, count, chunk))
+    del tokens
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        _atomic_write_text(cached, json.dumps({"path": os.path.realpath(path), "largest_token_id": largest}))
+    except OSError:
+        pass  # a read-only cache: scan again next time
+    return largest

@@ -7,7 +7,7 @@ function it serves and the failure it fixes, and each tested by reproducing that
 They are applied only where torch has no CUDA, never on a GPU machine.
 `LITESPARK_CPU_SHIMS=none|all|name,name` selects them.
 
-Three library gaps hit any machine and are closed by `prepare_libraries()`:
+Four library gaps hit any machine and are closed by `prepare_libraries()`:
 - `helpers`: megatron.training's initialize compiles the dataset helpers with `make` in the installed package,
   but the wheel ships them compiled and no Makefile, so rank 0 exits 1 before training. The shipped helpers are
   imported instead (a clear error if they are missing).
@@ -18,6 +18,10 @@ Three library gaps hit any machine and are closed by `prepare_libraries()`:
 - `wgrad`: megatron-core's own linears (the output layer; every linear of the local backends) fuse weight-gradient
   accumulation only with Apex's `fused_weight_gradient_mlp_cuda`; without Apex, Transformer Engine's GEMM provides
   the same two functions (`provide_wgrad_accumulation_kernel`).
+- `children`: megatron-core's checkpoint writer starts helper processes (the results queue's multiprocessing
+  Manager, on every save; the persistent async-save worker) that block on queues forever once the trainer is
+  killed (SIGKILL, the OOM killer): ~0.7 GB each, left running; data-loader workers linger for seconds
+  (`helper_processes_die_with_the_trainer`).
 """
 from __future__ import annotations
 
@@ -224,7 +228,81 @@ def prepare_libraries() -> Platform:
     _load_optimizer_shards_without_autograd()
     if plat.device_type != "cpu":
         provide_wgrad_accumulation_kernel()
+    helper_processes_die_with_the_trainer()
     return plat
+
+
+def die_with_parent() -> None:
+    """In a helper process: the kernel kills it when the process that started it ends, however it ends (Linux
+    PR_SET_PDEATHSIG). If that process is already gone, exit now."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        return  # not Linux: the helpers keep megatron-core's own lifetime
+    if parent == 1 or os.getppid() != parent:
+        os._exit(0)
+
+
+def _persistent_async_loop(*args, **kwargs):
+    """megatron-core's persistent async-save worker loop, in a worker that dies with its trainer."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    die_with_parent()
+    return PersistentAsyncCaller.async_loop(*args, **kwargs)
+
+
+def helper_processes_die_with_the_trainer() -> None:
+    """Helper processes end with the trainer, however it ends:
+    - every child forked through multiprocessing (data-loader workers, megatron-core's temporal async-save worker)
+      runs `die_with_parent` first (multiprocessing's after-fork hook);
+    - `filesystem_async.get_write_results_queue()` makes its queue from a spawned `Manager()` on the first save (also
+      for synchronous saves); the queue is made here, by a Manager whose server process runs `die_with_parent`
+      first. Started lazily, at the first save, as megatron-core does.
+    - `PersistentAsyncCaller` (--use-persistent-ckpt-worker) spawns `async_loop`; its target becomes
+      `_persistent_async_loop` (module-level, so the spawned process can import it), the same loop after
+      `die_with_parent`.
+    Idempotent."""
+    import multiprocessing.util
+
+    from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
+
+    if getattr(filesystem_async.get_write_results_queue, "__litespark__", False):
+        return
+    multiprocessing.util.register_after_fork(die_with_parent, lambda function: function())
+    original = filesystem_async.get_write_results_queue
+
+    @functools.wraps(original)
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        if filesystem_async._results_queue is None:
+            import multiprocessing.managers
+
+            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context(mp_mode))
+            manager.start(initializer=die_with_parent)
+            filesystem_async._results_queue = manager.Queue()
+            filesystem_async._litespark_manager = manager  # the queue lives as long as its manager
+        return filesystem_async._results_queue
+
+    get_write_results_queue.__litespark__ = True
+    filesystem_async.get_write_results_queue = get_write_results_queue
+
+    caller = async_utils.PersistentAsyncCaller
+    original_get_process = caller._get_process.__func__
+
+    def _get_process(cls, *args, **kwargs):
+        if cls._persistent_process is None:
+            loop = cls.__dict__["async_loop"]
+            cls.async_loop = staticmethod(_persistent_async_loop)
+            try:
+                return original_get_process(cls, *args, **kwargs)
+            finally:
+                cls.async_loop = loop
+        return original_get_process(cls, *args, **kwargs)
+
+    caller._get_process = classmethod(_get_process)
 
 
 # --------------------------------------------------------------------------------------------- CPU shims

@@ -5,8 +5,10 @@ The trainer is megatron.training's own `pretrain`: its loop, arguments, checkpoi
 to it (the forward step, the loss with its checks, the datasets provider) and the Litespark pieces:
 
     main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 3 gaps)
-               -> arguments.parse                Megatron-LM flags (+ presets, --config, checks) -> get_args()
+               -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
                -> data.check                     data and tokenizer checked before any process group
+               -> checkpoint_dir.lock / clean    --save held by this run alone; unfinished saves removed
+               -> set_global_variables           get_args(); Ctrl-C joins SIGTERM with --exit-signal-handler
                -> telemetry.attach               MFU, energy, J/token, metrics.jsonl beside Megatron-LM's logs
                -> megatron.training.pretrain     model from model.model_config_from_args (the --spec layer)
                -> [--sample-prompt]              a greedy continuation printed after training
@@ -164,6 +166,7 @@ datasets_provider.is_distributed = True
 # --------------------------------------------------------------------------------------------- the run
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _default_stop_signals()
     try:
         args, plat = prepare(argv)
     except UserError as e:
@@ -173,15 +176,43 @@ def main(argv=None) -> int:
 
 
 def prepare(argv):
-    """Everything checked before any work: libraries, arguments (then megatron.training's get_args()), data.
-    Raises UserError with one line."""
-    from . import data
+    """Everything checked before any work (libraries, arguments, data), then the --save directory taken, then
+    megatron.training's global state (get_args(), TensorBoard). Raises UserError with one line."""
+    from megatron.training.global_vars import set_global_variables
+
+    from . import checkpoint_dir, data
 
     platform.quiet_library_noise()
     plat = platform.prepare_libraries()
-    args = arguments.parse(argv, plat)
+    args = arguments.parse_checked(argv, plat)
     data.check(args)
+    checkpoint_dir.lock(args)
+    checkpoint_dir.clean(args)
+    set_global_variables(args)
+    if args.exit_signal_handler:
+        _ctrl_c_like(args.exit_signal)
     return args, plat
+
+
+def _default_stop_signals() -> None:
+    """scripts/pretrain.sh starts torchrun with SIGTERM and SIGINT ignored (it forwards them to the workers itself),
+    and the workers inherit that. Until megatron.training installs its handler, they must stop as usual."""
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _ctrl_c_like(exit_signal) -> None:
+    """Ctrl-C (SIGINT) does what --exit-signal-handler's signal does: save at the next step and exit 0, instead of
+    a KeyboardInterrupt traceback wherever the run happened to be. The handler re-sends the exit signal to this
+    process, so megatron.training's handler (and its agreement of all ranks on the step) does the rest; forked
+    data-loader workers inherit it and stay alive for the steps before the save."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os.kill(os.getpid(), exit_signal))
 
 
 def train(args, plat) -> int:
@@ -189,15 +220,20 @@ def train(args, plat) -> int:
     from megatron.training import pretrain, set_startup_timestamps
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from . import model, sample, telemetry
+    from . import checkpoint_dir, model, sample, telemetry, watchdog
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     model_config = model.model_config_from_args(args)
     if args.sample_prompt is not None:
         model_config.post_wrap_hooks.append(sample.keep_model)
     telemetry.attach(args, plat)
-    pretrain(pretrain_cfg_container_from_args(args, model_config), datasets_provider, ModelType.encoder_or_decoder,
-             forward_step)
+    checkpoint_dir.attach(args)
+    watchdog.start(args)
+    try:  # megatron.training leaves through sys.exit(0) after a signal or an exit limit
+        pretrain(pretrain_cfg_container_from_args(args, model_config), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step)
+    finally:
+        checkpoint_dir.finish()
     if args.sample_prompt is not None:
         sample.print_sample(args)
     telemetry.finish()

@@ -8,7 +8,10 @@ J/token, memory, and `metrics.jsonl`, beside Megatron-LM's own log line and Tens
   next to Megatron-LM's (`lm loss`, `learning-rate`, `grad-norm`, `throughput`, ... stay its own);
 - `evaluate`: pauses the interval (evaluation is not training) and records the loss ("val", or "test" when
   `evaluate_and_print_results`, also wrapped, was asked for the test set);
-- `save_checkpoint_and_time`: pauses the interval and records the save time ("save").
+- `save_checkpoint_and_time`: pauses the interval and records the save time ("save");
+- `load_checkpoint`: records the load time ("load", written at the first step).
+
+The same hooks tell the hang watchdog (watchdog.py, --hang-timeout-factor) when a step ends and when to pause.
 
 tests/test_telemetry.py fails if megatron.training renames these or stops calling them from train(). One schema
 (docs/metrics.md): every record has "step" and "kind"; None means "not measured", never a number. One
@@ -28,11 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from .metrics.energy import EnergyMeter
 from .metrics.flops import ModelShape, param_count, recompute_from_args, training_flops_per_step
 from .metrics.peaks import PeakError, detect_peak
 
-HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkpoint_and_time")
+HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkpoint_and_time", "load_checkpoint")
 TB_PREFIX = "litespark/"
 
 
@@ -54,6 +58,7 @@ class Telemetry:
         self._steps = 0
         self._loss_sum, self._loss_count, self._skipped = None, 0, 0
         self.first_loss = self.last_loss = self.val = None
+        self.load_seconds: Optional[float] = None
         self.iteration = 0
         self.total_joules = 0.0
         self.energy, self.energy_ok = None, False
@@ -73,11 +78,13 @@ class Telemetry:
                 self.peak_note = f"MFU not measured: {e}"
         else:
             self.peak_note = "MFU not measured: CPU run (no tensor-core peak; --peak-tflops sets one)"
-        self.write(0, "run", dict(
+        # Written at the first step, not here: a run refused before it (its --save directory locked by another
+        # run) must leave that directory's metrics.jsonl as it was.
+        self._run_record = dict(
             world_size=self.world, params=param_count(shape).total, flops_per_step_full=self.flops_full,
             flops_per_step_causal=self.flops_causal, tokens_per_step=self.tokens_per_step, precision=_precision(args),
             device=self.device_name if self.cuda else "cpu", spec=getattr(args, "litespark_spec", None),
-            transformer_impl=args.transformer_impl))
+            transformer_impl=args.transformer_impl)
 
     def begin(self):
         """Called before the first forward of the run (megatron has set this rank's device): the first interval
@@ -87,6 +94,12 @@ class Telemetry:
         from megatron.training import get_args
 
         self.iteration = getattr(get_args(), "iteration", 0) or 0  # > 0 when resumed
+        if self.iteration and self.is_writer and self.metrics_path and os.path.exists(self.metrics_path):
+            _rewind(self.metrics_path, self.iteration)
+        self.write(0, "run", self._run_record)
+        if self.load_seconds is not None:
+            self.write(self.iteration, "load", dict(seconds=self.load_seconds))
+            self._scalar("load-seconds", self.load_seconds, self.iteration)
         if self.cuda:
             self.energy = EnergyMeter()
             self.energy_ok = self.energy.start()
@@ -234,6 +247,13 @@ class Telemetry:
             if value is not None and math.isfinite(value):
                 writer.add_scalar(TB_PREFIX + key.replace("_", "-"), value, iteration)
 
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        writer = get_tensorboard_writer() if self.is_writer else None
+        if writer is not None:
+            writer.add_scalar(TB_PREFIX + tag, value, step)
+
     def record_eval(self, iteration: int, loss_dict, kind: str) -> None:
         if "lm loss" not in (loss_dict or {}):
             return
@@ -273,6 +293,28 @@ class Telemetry:
             print("summary: " + json.dumps(summary), flush=True)
 
 
+def _rewind(path: str, iteration: int) -> None:
+    """A resumed run continues the metrics file of the run it resumes, from its checkpoint's iteration: records of
+    later steps (trained after that checkpoint by a run that then died) are dropped, so that every step has one
+    record, and so is a line a killed writer left half-written. Rewritten beside, then renamed."""
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                keep = record["step"] <= iteration
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        with open(path + ".rewind", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".rewind", path)
+
+
 def _default_metrics_path(args) -> Optional[str]:
     if args.save:
         return os.path.join(args.save, "metrics.jsonl")
@@ -293,7 +335,8 @@ def attach(args, plat) -> Telemetry:
     _telemetry = Telemetry(args, plat)
     if getattr(training.training_log, "__litespark__", False):
         return _telemetry
-    original_log, original_eval_print, original_eval, original_save = (getattr(training, n) for n in HOOKED)
+    original_log, original_eval_print, original_eval, original_save, original_load = \
+        (getattr(training, n) for n in HOOKED)
     eval_kind = ["val"]
 
     @functools.wraps(original_log)
@@ -302,6 +345,7 @@ def attach(args, plat) -> Telemetry:
         result = original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                               skipped_iter, grad_norm, *rest, **kwargs)
         _telemetry.on_iteration(iteration, loss_dict, learning_rate, loss_scale, skipped_iter, grad_norm)
+        watchdog.step_done(iteration)
         return result
 
     @functools.wraps(original_eval_print)
@@ -315,9 +359,11 @@ def attach(args, plat) -> Telemetry:
     @functools.wraps(original_eval)
     def evaluate(*a, **k):
         _telemetry.pause()
+        watchdog.pause()
         try:
             result = original_eval(*a, **k)
         finally:
+            watchdog.resume()
             _telemetry.resume()
         if result and result[0]:
             _telemetry.record_eval(_telemetry.iteration, result[0], eval_kind[0])
@@ -326,14 +372,29 @@ def attach(args, plat) -> Telemetry:
     @functools.wraps(original_save)
     def save_checkpoint_and_time(iteration, *a, **k):
         _telemetry.pause()
+        watchdog.pause()
         t0 = time.perf_counter()
         try:
             return original_save(iteration, *a, **k)
         finally:
-            _telemetry.write(iteration, "save", dict(seconds=time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            _telemetry.write(iteration, "save", dict(seconds=seconds))
+            _telemetry._scalar("save-seconds", seconds, iteration)
+            watchdog.resume()
             _telemetry.resume()
 
-    for name, fn in zip(HOOKED, (training_log, evaluate_and_print_results, evaluate, save_checkpoint_and_time)):
+    @functools.wraps(original_load)
+    def load_checkpoint(*a, **k):
+        from megatron.training.checkpointing import checkpoint_exists
+
+        t0 = time.perf_counter()
+        result = original_load(*a, **k)
+        if any(d and checkpoint_exists(d) for d in (args.load, args.pretrained_checkpoint)):  # else nothing loaded
+            _telemetry.load_seconds = time.perf_counter() - t0
+        return result
+
+    for name, fn in zip(HOOKED, (training_log, evaluate_and_print_results, evaluate, save_checkpoint_and_time,
+                                 load_checkpoint)):
         fn.__litespark__ = True
         setattr(training, name, fn)
     return _telemetry

@@ -155,11 +155,16 @@ case "$RENDEZVOUS" in
   c10d) CMD+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
               --rdzv-conf "join_timeout=$RDZV_TIMEOUT") ;;
 esac
-CMD+=(-m litespark_megatron "$@")
+# --exit-signal-handler: a stop signal (the scheduler's SIGTERM, Ctrl-C) saves a checkpoint at the next step and
+# the run exits 0; the same command resumes it (--save X --load X).
+CMD+=(-m litespark_megatron "$@" --exit-signal-handler)
+# torchrun must not handle SIGTERM and SIGINT itself: it would forward them and then exit 1 whatever the workers did
+# (its SignalException), failing a job that stopped cleanly. This script forwards them to the workers instead.
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGHUP,SIGQUIT}"
 
 # The environment that decides how the run behaves goes into the recorded command too.
 SHOWN_VARS='CUDA_VISIBLE_DEVICES|CUDA_DEVICE_MAX_CONNECTIONS|NCCL_[A-Z0-9_]*|TORCH_NCCL_[A-Z0-9_]*|GLOO_[A-Z0-9_]*'
-SHOWN_VARS+='|OMP_NUM_THREADS'
+SHOWN_VARS+='|OMP_NUM_THREADS|PET_SIGNALS_TO_HANDLE'
 ENV_SHOWN=()
 while IFS= read -r line; do
   ENV_SHOWN+=("$line")
@@ -203,5 +208,21 @@ rm -f "$CHECK_ERR" "$CHECK_STDOUT"
 # Everything torchrun and the training print also goes to the log (stderr stays stderr). The tees ignore INT and
 # TERM: they must outlive torchrun to record its shutdown messages, and end at EOF.
 exec > >(trap '' INT TERM; exec tee -a "$LOG") 2> >(trap '' INT TERM; exec tee -a "$LOG" >&2)
-# exec: torchrun gets the signals (a scheduler's SIGTERM) directly and its exit status is this script's.
-exec "${CMD[@]}"
+# Stop signals: torchrun ignores SIGTERM and SIGINT (inherited, and not in PET_SIGNALS_TO_HANDLE); they go to its
+# workers (this node's training processes), from here or directly from a scheduler that signals every process of
+# the job. The workers save, all ranks agree on the step, they exit 0, and so do torchrun and this script.
+( trap '' INT TERM; exec "${CMD[@]}" ) &
+TORCHRUN=$!
+stop() {
+  echo "$PROG: $1: asking the training processes to save a checkpoint at the next step and exit"
+  pkill -TERM -P "$TORCHRUN" 2>/dev/null || true
+}
+trap 'stop SIGTERM' TERM
+trap 'stop SIGINT' INT
+RC=0
+wait "$TORCHRUN" || RC=$?
+while kill -0 "$TORCHRUN" 2>/dev/null; do  # a trapped signal ends `wait` early: wait again for torchrun
+  RC=0
+  wait "$TORCHRUN" || RC=$?
+done
+exit "$RC"

@@ -120,3 +120,12 @@ def preset(name: str):
     values.setdefault("num_query_groups", values["num_attention_heads"])
     values.setdefault("untie_embeddings_and_output_weights", False)
     return SimpleNamespace(**values)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status

@@ -1,6 +1,7 @@
 """litespark-train's command line: Megatron-LM's parser and defaults, presets and --config files read as flags,
 --spec names, and one clear error for each configuration that cannot run (checked before any process group)."""
 import argparse
+import importlib.util
 
 import pytest
 
@@ -133,6 +134,20 @@ def test_mla_replaces_the_presets_grouped_query_attention():
                  "LayerNorm, which has no persistent kernel: add --no-persist-layer-norm",
                  marks=pytest.mark.skipif(_have_apex(), reason="with Apex the stock local layer persists its norm")),
     (["--save", "ckpt"], 1, CPU, "--save needs --save-interval N"),
+    (["--save", "ckpt", "--save-interval", "5", "--keep-last-checkpoints", "0"], 1, CPU,
+     "--keep-last-checkpoints 0: keep at least 1 checkpoint"),
+    (["--keep-last-checkpoints", "2"], 1, CPU, "--keep-last-checkpoints needs --save"),
+    (["--hang-timeout-factor", "1"], 1, CPU, "--hang-timeout-factor 1: a step is hung when it takes F times"),
+    (["--hang-timeout-factor", "10", "--hang-timeout-min-seconds", "0"], 1, CPU,
+     "--hang-timeout-min-seconds 0: give seconds > 0"),
+    (["--exit-duration-in-mins", "-1"], 1, CPU, "--exit-duration-in-mins -1: give the minutes of training"),
+    (["--async-save"], 1, CPU, "--async-save needs --save"),
+    (["--async-save", "--save", "ckpt", "--save-interval", "5"], 1, CPU,
+     "--async-save needs --use-persistent-ckpt-worker"),
+    pytest.param(["--async-save", "--use-persistent-ckpt-worker", "--save", "ckpt", "--save-interval", "5"], 1, CPU,
+                 "--async-save with --async-strategy nvrx (Megatron-LM's default) needs nvidia-resiliency-ext",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                                          reason="nvidia-resiliency-ext is installed here")),
     (["--sample-prompt", "def "], 1, CPU, "--sample-prompt needs a text tokenizer"),
     (["--sample-prompt", "def ", "--pipeline-model-parallel-size", "2"], 2, CPU,
      "--sample-prompt runs without pipeline, context or sequence parallelism"),

@@ -47,11 +47,14 @@ def random_documents(rng, n, low, high, eod, min_len=5, max_len=40):
 
 
 def make_args(**kw):
-    base = dict(data_path=None, split="969,30,1", mock_data=False, seq_length=16, seed=1234, data_cache_path=None,
-                vocab_size=None, tokenizer_type=None, tokenizer_model=None, train_iters=10, train_samples=None,
-                skip_train=False)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """litespark-train's arguments (the tokenizer's vocabulary: 100 ids, as write_prefix's) with these fields."""
+    from litespark_megatron.arguments import resolve_quietly
+
+    args = vars(resolve_quietly(["--model", "tiny", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]))
+    args.update(data_path=None, split="969,30,1", mock_data=False, seq_length=16, seed=1234, data_cache_path=None,
+                train_iters=10, train_samples=None, skip_train=False)
+    args.update(kw)
+    return argparse.Namespace(**args)
 
 
 def read_back(prefix):
@@ -343,3 +346,20 @@ def test_prepare_stdlib_corpus(tmp_path):
     other = corpus.prepare_stdlib_corpus(str(cache), vocab_size=400, max_bytes=200_000)
     assert not other.cached and other.num_bytes <= 200_000 and other.vocab_size <= 400
     assert json.loads(Path(other.manifest_path).read_text())["config"]["vocab_size"] == 400
+
+
+def test_token_ids_are_checked_against_the_vocabulary(tmp_path, monkeypatch):
+    """The largest id is read from the .bin (then cached by path, size and modification time): an id the
+    embedding does not have is one line before training, not an IndexError (a device assert on a GPU) in step 1."""
+    monkeypatch.setenv("LITESPARK_CACHE", str(tmp_path / "cache"))
+    prefix = write_prefix(tmp_path / "p", [[1, 2, 3], [4, 257, 6]], vocab_size=300)
+    info = data.inspect_prefix(prefix)
+    data.check_token_ids(info, 258)  # ids 0..257: all there
+    with pytest.raises(DataError) as e:
+        data.check_token_ids(info, 257)
+    assert str(e.value).startswith(f"{prefix}.bin holds token id 257, but the tokenizer has 257 ids (0 to 256)")
+    assert len(list((tmp_path / "cache" / "token-range").iterdir())) == 1  # scanned once, then read from the cache
+    data.check_token_ids(info, 70_000)  # a dtype whose ids all fit (uint16 < 70,000): no scan needed
+    small = write_prefix(tmp_path / "small", [[1, 2, 3]], vocab_size=300)
+    data.check_token_ids(data.inspect_prefix(small), 70_000)
+    assert len(list((tmp_path / "cache" / "token-range").iterdir())) == 1

@@ -102,15 +102,24 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, one_node_losses, rendez
 
 
 def fake_slurm(bin_dir):
-    """`srun` and `scontrol` stand-ins: srun records its options and runs the task once per node, in parallel,
-    with that node's SLURM_NODEID (what SLURM does with --ntasks-per-node=1)."""
+    """`srun`, `scontrol` and `scancel` stand-ins: srun records its options and runs the task once per node, in
+    parallel, with that node's SLURM_NODEID (what SLURM does with --ntasks-per-node=1), and lists the tasks' pids;
+    `scancel --signal=S` sends S to every process of those tasks (slurmstepd signals every process of a step);
+    `scontrol requeue` is recorded."""
     bin_dir.mkdir()
     scripts = {
-        "scontrol": '#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" ${3//,/ }\n',
+        "scontrol": '#!/usr/bin/env bash\n'
+                    'if [ "$1" = requeue ]; then echo "requeue $2" >> "$SCONTROL_LOG"; exit 0; fi\n'
+                    '[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" ${3//,/ }\n',
         "srun": '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS_FILE"\n'
                 'while [[ $1 == -* ]]; do shift; done\npids=()\n'
                 'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@" & pids+=($!); done\n'
+                'echo "${pids[@]}" > "$SRUN_ARGS_FILE.tasks"\n'
                 'rc=0\nfor p in "${pids[@]}"; do wait "$p" || rc=$?; done\nexit $rc\n',
+        "scancel": '#!/usr/bin/env bash\nsig=${1#--signal=}\n'
+                   'tree() { echo "$1"; for c in $(pgrep -P "$1"); do tree "$c"; done; }\n'
+                   'for t in $(cat "$SRUN_ARGS_FILE.tasks"); do kill -s "$sig" $(tree "$t") 2>/dev/null; done\n'
+                   'exit 0\n',
     }
     for name, text in scripts.items():
         path = bin_dir / name
@@ -136,6 +145,61 @@ def test_slurm_script_runs_the_launcher_on_every_node(tmp_path, one_node_losses)
         assert f"--nnodes 2 --nproc-per-node 1 --max-restarts 0 --node-rank {rank} --master-addr 127.0.0.1 " \
                f"--master-port {port} " in command
     assert train_losses(tmp_path / "metrics.jsonl") == one_node_losses
+
+
+def test_ctrl_c_saves_on_every_rank_and_the_launch_exits_0(tmp_path):
+    """Ctrl-C on a terminal signals the launcher's process group (the script and torchrun; the workers have their
+    own sessions). The script asks the workers to stop, they save one checkpoint at the same step and exit 0, and
+    so do torchrun (which ignores the signal instead of failing the job) and the script. The same command resumes."""
+    save = tmp_path / "ck"
+    flags = [*TINY, "--train-iters", "300", "--save", save, "--load", save, "--save-interval", "1000"]
+    env = launch_env(GPUS_PER_NODE=2, RUN_DIR=tmp_path / "run")
+    proc = subprocess.Popen(["bash", str(LAUNCHER), *map(str, flags)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
+    deadline = time.time() + 240
+    while not (save / "metrics.jsonl").exists() or '"step": 3,' not in (save / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, "no step 3"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "pretrain.sh: SIGINT: asking the training processes to save a checkpoint at the next step and exit" in out
+    assert "exiting program after receiving SIGTERM" in out and "SignalException" not in err
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 300
+    resumed = launch(*flags, "--exit-interval", str(saved + 2), GPUS_PER_NODE=2, RUN_DIR=tmp_path / "run2",
+                     timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == list(range(1, saved + 3)), steps
+
+
+def test_slurm_time_limit_saves_and_requeues(tmp_path):
+    """Near the time limit SLURM sends USR1 to the batch script (#SBATCH --signal=B:USR1@300): it has the job's
+    steps signalled (SIGTERM to every process), both nodes save at one step and exit 0, and the job is requeued
+    (#SBATCH --requeue). (That the same command resumes: test_ctrl_c_saves_on_every_rank_and_the_launch_exits_0.)"""
+    fake_slurm(tmp_path / "bin")
+    save = tmp_path / "ck"
+    env = launch_env(MASTER_PORT=free_port(), RUN_DIR=tmp_path / "run", RDZV_TIMEOUT=60)
+    env.update(PATH=f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}", SRUN_ARGS_FILE=str(tmp_path / "srun_args"),
+               SCONTROL_LOG=str(tmp_path / "scontrol.log"), SLURM_JOB_ID="4243", SLURM_JOB_NUM_NODES="2",
+               SLURM_NNODES="2", SLURM_CPUS_ON_NODE="2", SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1",
+               SLURM_SUBMIT_DIR=str(ROOT))
+    flags = [*TINY, "--train-iters", "300", "--save", save, "--load", save, "--save-interval", "1000"]
+    proc = subprocess.Popen(["bash", str(SBATCH), *map(str, flags)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env=env, start_new_session=True)
+    deadline = time.time() + 240
+    while not (save / "metrics.jsonl").exists() or '"step": 3,' not in (save / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, "no step 3"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "pretrain.sbatch: the time limit is near" in out and "pretrain.sbatch: requeueing job 4243" in out
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4243\n"
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 300
 
 
 # --------------------------------------------------------------------------------------------- bad launches

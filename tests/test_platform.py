@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from conftest import child_env, free_port, run, train
+from conftest import child_env, free_port, run, running, train
 from litespark_megatron import platform
 
 F = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--micro-batch-size", "2",
@@ -250,3 +250,55 @@ def test_distributed_optimizer_on_torch_adam_resumes(py):
     lines = [line for line in fixed.stdout.splitlines() if line.startswith(("BEFORE", "AFTER"))]
     assert lines == ["BEFORE FIRST STEP [0.0]", "AFTER LOAD 2 params 2 step tensors [2.0]"], \
         fixed.stdout + fixed.stderr[-3000:]
+
+
+HELPERS_OF_A_KILLED_TRAINER = """
+import os, signal, sys, time
+from litespark_megatron import platform
+from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
+
+if __name__ == "__main__":  # the helpers are spawned: they import this file again
+    if sys.argv[1] == "patched":
+        platform.helper_processes_die_with_the_trainer()
+    filesystem_async.get_write_results_queue()  # what every save does first: a Manager's server process
+    async_utils.PersistentAsyncCaller._get_process(0)  # --use-persistent-ckpt-worker's writer
+    time.sleep(3)  # both started
+    children = []
+    for task in os.listdir("/proc/self/task"):
+        children += open(f"/proc/self/task/{task}/children").read().split()
+    open(sys.argv[2], "w").write(" ".join(children))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("mode", ["patched", "megatron-core"])
+def test_checkpoint_writer_helpers_end_with_a_killed_trainer(tmp_path, mode):
+    """megatron-core's checkpoint helper processes (the results queue's Manager, the persistent async-save worker)
+    block forever once the trainer is killed; with `helper_processes_die_with_the_trainer` the kernel ends them.
+    The unpatched case must still leave them running: when it does not, megatron-core fixed it and the patch can
+    go."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "trainer.py"
+    script.write_text(HELPERS_OF_A_KILLED_TRAINER)
+    listed = tmp_path / "children"
+    # No pipes: helpers left running would hold them open.
+    proc = subprocess.run([sys.executable, str(script), mode, str(listed)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, timeout=120, env=child_env(), start_new_session=True)
+    children = [int(pid) for pid in listed.read_text().split()]
+    assert proc.returncode == -9 and len(children) >= 2, (proc.returncode, children)
+    alive = children
+    deadline = time.time() + (10 if mode == "patched" else 3)  # the kernel's signal is immediate; reaping is not
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in alive if running(pid)]
+    for pid in alive:
+        os.kill(pid, 9)
+    if mode == "patched":
+        assert alive == [], "helpers outlived the killed trainer"
+    else:
+        assert alive, "megatron-core's helpers now end with a killed trainer: helper_processes_die_with_the_trainer " \
+                      "can go"

@@ -17,6 +17,7 @@ def test_megatron_training_still_calls_the_hooked_functions():
     train_source = inspect.getsource(training.train)
     for name in ("training_log(", "evaluate_and_print_results(", "save_checkpoint_and_time("):
         assert name in train_source, name
+    assert "= load_checkpoint(" in inspect.getsource(training.setup_model_and_optimizer)
     assert "total_loss_dict, collected_non_loss_data, timelimit = evaluate(" in \
         inspect.getsource(training.evaluate_and_print_results)
     assert "return total_loss_dict, collected_non_loss_data, False" in inspect.getsource(training.evaluate)

@@ -1,5 +1,5 @@
 """litespark-train end to end on the CPU (gloo): megatron.training's loop with the Litespark layer. Resume is
-bit-exact, checkpoints reshard across layouts, SIGTERM saves and exits 0, a NaN loss stops the run, TensorBoard
+bit-exact, checkpoints reshard across layouts, a stop signal saves and exits 0, a NaN loss stops the run, TensorBoard
 holds Megatron-LM's tags and the project's, and bad input fails before any work with one line."""
 import json
 import signal
@@ -19,7 +19,7 @@ MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", 
 def test_resume_is_bit_exact_with_the_distributed_optimizer(tmp_path):
     """DP2 with megatron-core's distributed optimizer (its sharded state; the `distopt` fixes of platform.py):
     a run stopped by --exit-interval and resumed equals the run without the stop, bit for bit. One process with
-    torch's Adam: test_sigterm_saves_and_exits_0_and_resume_continues_bit_exactly."""
+    torch's Adam: test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly."""
     layout = ["--use-distributed-optimizer"]
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     ok(train(2, *MOCK, *layout, "--save", straight))
@@ -49,7 +49,7 @@ def test_checkpoint_reshards_tp2_to_tp1_and_pp2(tmp_path):
 
 
 def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
-    """Unlike --load of the --save directory itself (a first launch: the SIGTERM test), a --load elsewhere
+    """Unlike --load of the --save directory itself (a first launch: the stop-signal test), a --load elsewhere
     without a checkpoint stays an error: a typo must not train from scratch."""
     proc = train(1, *MOCK, "--save", tmp_path / "other", "--load", tmp_path / "typo")
     assert proc.returncode == 2 and f"--load {tmp_path / 'typo'}: no checkpoint there" in proc.stderr
@@ -67,11 +67,12 @@ def _wait_for_step(metrics, step, proc, timeout=240):
     raise AssertionError(f"no step {step} within {timeout} s")
 
 
-def test_sigterm_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path):
-    """--exit-signal-handler (megatron.training's): SIGTERM during training saves a checkpoint at the next step and
-    exits 0; the same command again continues exactly where a run without the interruption would be. It is one
-    requeue-able command, as in Megatron-LM: --save X --load X trains from scratch while X holds no checkpoint,
-    and resumes once it does."""
+def test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path):
+    """--exit-signal-handler (megatron.training's): a stop signal during training saves a checkpoint at the next
+    step and exits 0; the same command again continues exactly where a run without the interruption would be. It is
+    one requeue-able command, as in Megatron-LM: --save X --load X trains from scratch while X holds no checkpoint,
+    and resumes once it does. The signal here is Ctrl-C's SIGINT, which the run handles as megatron.training's
+    SIGTERM (test_launcher sends SIGTERM to the workers of a two-rank run)."""
     flags = MOCK + ["--train-iters", "40"]
     straight = tmp_path / "straight"
     first = ok(train(1, *flags, "--save", straight))
@@ -85,11 +86,11 @@ def test_sigterm_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=child_env(MASTER_PORT=free_port()))
     _wait_for_step(interrupted / "metrics.jsonl", 2, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     saved = int((interrupted / "latest_checkpointed_iteration.txt").read_text())
-    assert 2 <= saved < 40 and "exiting program after receiving SIGTERM" in out
+    assert 2 <= saved < 40 and "exiting program after receiving SIGTERM" in out and "KeyboardInterrupt" not in err
     resumed = ok(train(1, *requeueable))
     assert "successfully loaded checkpoint" in resumed.stdout
     a, b = losses(straight / "metrics.jsonl"), losses(interrupted / "metrics.jsonl")
@@ -148,7 +149,10 @@ DATA = ["--model", "tiny", "--seq-length", "32", "--global-batch-size", "4", "--
     (lambda c: [], "no data: give --data-path"),
     (lambda c: ["--data-path", str(c), "--batch-size", "4"],
      "Megatron-LM refuses these arguments: --batch-size argument is no longer valid"),
-], ids=["missing-prefix", "empty-split-part", "no-data", "megatron-assert"])
+    (lambda c: ["--data-path", str(c), "--vocab-size", "200"], "but the tokenizer has 200 ids (0 to 199): the data "
+     "was tokenized with another tokenizer; give the data's tokenizer (for NullTokenizer, a --vocab-size above the "
+     "largest id)"),
+], ids=["missing-prefix", "empty-split-part", "no-data", "megatron-assert", "token-id-out-of-range"])
 def test_bad_input_is_refused_before_work(small_corpus, tmp_path, flags, message):
     save = tmp_path / "save"
     proc = train(1, *DATA, *flags(small_corpus), "--save", save, "--save-interval", "5")
