@@ -112,6 +112,9 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "--distributed-timeout-minutes only)")
     g.add_argument("--hang-timeout-min-seconds", type=float, default=60.0, metavar="S",
                    help="the least time a step may take before --hang-timeout-factor calls it hung (default 60)")
+    g.add_argument("--max-skipped-steps", type=int, default=None, metavar="N",
+                   help="stop the run (exit 1) when N steps in a row are skipped for inf/NaN gradients (fp16 loss "
+                        "scaling that cannot recover); default: off, as in Megatron-LM")
     g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="K",
                    help="keep the K newest complete checkpoints in --save and delete older ones once a newer save "
                         "is complete (the one the tracker names is never deleted); default: keep all")
@@ -404,6 +407,9 @@ def _check_run_control(args) -> None:
     if args.hang_timeout_factor is not None and not args.hang_timeout_factor > 1:
         raise ConfigError(f"--hang-timeout-factor {args.hang_timeout_factor:g}: a step is hung when it takes F times "
                           "the median step; give F > 1 (e.g. 10)")
+    if args.max_skipped_steps is not None and args.max_skipped_steps < 1:
+        raise ConfigError(f"--max-skipped-steps {args.max_skipped_steps}: give the skipped steps in a row that stop "
+                          "the run, a number >= 1")
     if not args.hang_timeout_min_seconds > 0:
         raise ConfigError(f"--hang-timeout-min-seconds {args.hang_timeout_min_seconds:g}: give seconds > 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:

@@ -234,7 +234,8 @@ def prepare_libraries() -> Platform:
 
 def die_with_parent() -> None:
     """In a helper process: the kernel kills it when the process that started it ends, however it ends (Linux
-    PR_SET_PDEATHSIG). If that process is already gone, exit now."""
+    PR_SET_PDEATHSIG). If that process is already gone, exit now. (The kernel ties the signal to the thread that
+    started the helper; torch and megatron-core start these from the trainer's main thread.)"""
     import ctypes
     import signal
 

@@ -4,7 +4,7 @@ The trainer is megatron.training's own `pretrain`: its loop, arguments, checkpoi
 (the rerun state machine), async saves, TensorBoard and W&B. What this module adds is what pretrain_gpt.py adds
 to it (the forward step, the loss with its checks, the datasets provider) and the Litespark pieces:
 
-    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 3 gaps)
+    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 4 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
                -> data.check                     data and tokenizer checked before any process group
                -> checkpoint_dir.lock / clean    --save held by this run alone; unfinished saves removed
@@ -196,9 +196,12 @@ def prepare(argv):
 
 def _default_stop_signals() -> None:
     """scripts/pretrain.sh starts torchrun with SIGTERM and SIGINT ignored (it forwards them to the workers itself),
-    and the workers inherit that. Until megatron.training installs its handler, they must stop as usual."""
+    and the workers inherit that; it says so in LITESPARK_RESTORE_STOP_SIGNALS. Until megatron.training installs its
+    handler, they must stop as usual. (A run a shell started in the background keeps its ignored SIGINT.)"""
     import signal
 
+    if os.environ.get("LITESPARK_RESTORE_STOP_SIGNALS") != "1":
+        return
     if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -212,6 +215,8 @@ def _ctrl_c_like(exit_signal) -> None:
     data-loader workers inherit it and stay alive for the steps before the save."""
     import signal
 
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        return  # started to ignore Ctrl-C (a shell's background job): it stays so
     signal.signal(signal.SIGINT, lambda signum, frame: os.kill(os.getpid(), exit_signal))
 
 

@@ -345,7 +345,7 @@ def attach(args, plat) -> Telemetry:
         result = original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                               skipped_iter, grad_norm, *rest, **kwargs)
         _telemetry.on_iteration(iteration, loss_dict, learning_rate, loss_scale, skipped_iter, grad_norm)
-        watchdog.step_done(iteration)
+        watchdog.step_done(iteration, bool(skipped_iter))
         return result
 
     @functools.wraps(original_eval_print)

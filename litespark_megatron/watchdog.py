@@ -1,5 +1,7 @@
-"""--hang-timeout-factor: a training step that takes far longer than the run's usual step ends the run, instead of
-holding every GPU of the job until the scheduler's time limit.
+"""A run that stopped making progress ends, instead of holding every GPU of the job until the scheduler's time limit:
+
+- --hang-timeout-factor: a training step that takes far longer than the run's usual step;
+- --max-skipped-steps: fp16 steps skipped one after another for inf/NaN gradients (the loss scale cannot recover).
 
 Each rank runs a thread that knows when this rank last finished a step (telemetry's per-iteration hook calls
 `step_done`; evaluation and checkpoint saves pause it). When the current step has run longer than the factor times
@@ -26,18 +28,28 @@ WARM_UP_STEPS = 3  # start-up, compilation and the first allocations make the fi
 
 
 class StepWatchdog:
-    def __init__(self, factor: float, min_seconds: float, poll_seconds: float = 1.0):
+    def __init__(self, factor: Optional[float], min_seconds: float, poll_seconds: float = 1.0,
+                 max_skipped: Optional[int] = None):
         self.factor, self.min_seconds, self.poll = factor, min_seconds, poll_seconds
+        self.max_skipped, self.skipped_in_a_row = max_skipped, 0
         self.durations: deque = deque(maxlen=100)
         self.steps = 0
         self.iteration: Optional[int] = None
         self.last = time.monotonic()
         self.paused = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._watch, name="litespark-watchdog", daemon=True)
-        self._thread.start()
+        if factor:
+            threading.Thread(target=self._watch, name="litespark-watchdog", daemon=True).start()
 
-    def step_done(self, iteration: int) -> None:
+    def step_done(self, iteration: int, skipped: bool = False) -> None:
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.max_skipped and self.skipped_in_a_row >= self.max_skipped:
+            # Every rank sees the same skip decision (the loss scaler's), so every rank stops here.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{PROG}: error: {self.skipped_in_a_row} steps in a row (up to step {iteration}) were skipped "
+                      f"for inf/NaN gradients (--max-skipped-steps {self.max_skipped}): the loss scale cannot "
+                      "recover; lower --lr or --initial-loss-scale, or train in bf16", file=sys.stderr, flush=True)
+            sys.exit(1)
         now = time.monotonic()
         with self._lock:
             self.steps += 1
@@ -84,13 +96,14 @@ current: Optional[StepWatchdog] = None
 
 def start(args) -> None:
     global current
-    if args.hang_timeout_factor and current is None:
-        current = StepWatchdog(args.hang_timeout_factor, args.hang_timeout_min_seconds)
+    if (args.hang_timeout_factor or args.max_skipped_steps) and current is None:
+        current = StepWatchdog(args.hang_timeout_factor, args.hang_timeout_min_seconds,
+                               max_skipped=args.max_skipped_steps)
 
 
-def step_done(iteration: int) -> None:
+def step_done(iteration: int, skipped: bool = False) -> None:
     if current is not None:
-        current.step_done(iteration)
+        current.step_done(iteration, skipped)
 
 
 def pause() -> None:

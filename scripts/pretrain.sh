@@ -161,6 +161,8 @@ CMD+=(-m litespark_megatron "$@" --exit-signal-handler)
 # torchrun must not handle SIGTERM and SIGINT itself: it would forward them and then exit 1 whatever the workers did
 # (its SignalException), failing a job that stopped cleanly. This script forwards them to the workers instead.
 export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGHUP,SIGQUIT}"
+# ... and the workers, which inherit torchrun's ignored signals, restore them (litespark_megatron/pretrain.py).
+export LITESPARK_RESTORE_STOP_SIGNALS=1
 
 # The environment that decides how the run behaves goes into the recorded command too.
 SHOWN_VARS='CUDA_VISIBLE_DEVICES|CUDA_DEVICE_MAX_CONNECTIONS|NCCL_[A-Z0-9_]*|TORCH_NCCL_[A-Z0-9_]*|GLOO_[A-Z0-9_]*'

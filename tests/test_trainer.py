@@ -2,6 +2,7 @@
 bit-exact, checkpoints reshard across layouts, a stop signal saves and exits 0, a NaN loss stops the run, TensorBoard
 holds Megatron-LM's tags and the project's, and bad input fails before any work with one line."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, free_port, losses, ok, records, run, train
+from conftest import ROOT, child_env, free_port, losses, ok, records, run, torchrun, train
 
 MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6",
@@ -71,8 +72,9 @@ def test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path
     """--exit-signal-handler (megatron.training's): a stop signal during training saves a checkpoint at the next
     step and exits 0; the same command again continues exactly where a run without the interruption would be. It is
     one requeue-able command, as in Megatron-LM: --save X --load X trains from scratch while X holds no checkpoint,
-    and resumes once it does. The signal here is Ctrl-C's SIGINT, which the run handles as megatron.training's
-    SIGTERM (test_launcher sends SIGTERM to the workers of a two-rank run)."""
+    and resumes once it does. The signal here is Ctrl-C's: SIGINT to the run's process group (its data-loader
+    workers included, which must live on until the save), handled as megatron.training's SIGTERM (test_launcher
+    sends SIGTERM to the workers of a two-rank run)."""
     flags = MOCK + ["--train-iters", "40"]
     straight = tmp_path / "straight"
     first = ok(train(1, *flags, "--save", straight))
@@ -84,9 +86,9 @@ def test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path
     requeueable = [*map(str, flags), "--save", str(interrupted), "--load", str(interrupted), "--exit-signal-handler"]
     cmd = [sys.executable, "-m", "litespark_megatron", *requeueable]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=child_env(MASTER_PORT=free_port()))
+                            env=child_env(MASTER_PORT=free_port()), start_new_session=True)
     _wait_for_step(interrupted / "metrics.jsonl", 2, proc)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     saved = int((interrupted / "latest_checkpointed_iteration.txt").read_text())
@@ -97,6 +99,23 @@ def test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path
     # Both launches append to one metrics.jsonl: each step once, then bit-exact equality, not approximate.
     assert [r["step"] for r in records(interrupted / "metrics.jsonl", "train")] == list(range(1, 41))
     assert [b[s] for s in range(1, 41)] == [a[s] for s in range(1, 41)], (a, b)
+
+
+def test_exit_duration_saves_on_every_rank_at_one_step_and_exits_0(tmp_path):
+    """--exit-duration-in-mins 1 (megatron.training's): rank 1 started a minute early (tests/started_earlier.py
+    moves its start back). megatron.training takes the earliest start of all ranks and reduces the decision over
+    them, so both ranks stop after the same step (the first), save it, and the run exits 0; the same command without
+    the limit resumes from it."""
+    save = tmp_path / "run"
+    flags = [*MOCK, "--train-iters", "40", "--save", save, "--load", save, "--exit-duration-in-mins", "1"]
+    proc = torchrun(2, ROOT / "tests" / "started_earlier.py", *flags,
+                    env=child_env(EARLIER_RANK=1, EARLIER_SECONDS=61))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "exiting program after" in proc.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    resumed = ok(train(2, *flags[:-2], "--exit-interval", "3"))
+    assert "successfully loaded checkpoint" in resumed.stdout
+    assert [r["step"] for r in records(save / "metrics.jsonl", "train")] == [1, 2, 3]
 
 
 def test_nan_loss_stops_the_run(tmp_path):
@@ -192,3 +211,16 @@ def test_fp16_loss_scaling_skips_and_counts_overflow_steps(tmp_path):
     assert skipped[0] > 0 and skipped[-1] == 0, skipped
     assert scales == sorted(scales, reverse=True) and scales[-1] < 2.0 ** 32, scales
     assert rows[-1]["loss"] is not None and rows[-1]["loss"] < 10
+
+
+def test_fp16_steps_skipped_in_a_row_stop_the_run_at_the_limit(tmp_path):
+    """--max-skipped-steps 3: the first steps of fp16 at a loss scale of 2^32 overflow one after another (the test
+    above), so the run stops at step 3 with one line, exit 1, and no checkpoint."""
+    save = tmp_path / "run"
+    proc = train(1, *MOCK, "--fp16", "--train-iters", "40", "--max-skipped-steps", "3", "--save", save)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "litespark-train: error: 3 steps in a row (up to step 3) were skipped for inf/NaN gradients "
+        "(--max-skipped-steps 3): the loss scale cannot recover; lower --lr or --initial-loss-scale, or train in "
+        "bf16")
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
