@@ -115,6 +115,13 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--max-skipped-steps", type=int, default=None, metavar="N",
                    help="stop the run (exit 1) when N steps in a row are skipped for inf/NaN gradients (fp16 loss "
                         "scaling that cannot recover); default: off, as in Megatron-LM")
+    g.add_argument("--loss-spike-factor", type=float, default=None, metavar="F",
+                   help="a step whose loss is more than F times the median loss of the last 100 steps is a spike "
+                        "(checked on every step, every rank agreeing); default: off (Megatron-LM's "
+                        "--check-for-spiky-loss compares with the largest of the first 100 losses instead)")
+    g.add_argument("--loss-spike-action", choices=("warn", "stop"), default="warn",
+                   help="on a spike: 'warn' prints one line and trains on; 'stop' ends the run (exit 1) before "
+                        "the spiked step is saved, so the last checkpoint predates it (default: warn)")
     g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="K",
                    help="keep the K newest complete checkpoints in --save and delete older ones once a newer save "
                         "is complete (the one the tracker names is never deleted); default: keep all")
@@ -410,6 +417,9 @@ def _check_run_control(args) -> None:
     if args.max_skipped_steps is not None and args.max_skipped_steps < 1:
         raise ConfigError(f"--max-skipped-steps {args.max_skipped_steps}: give the skipped steps in a row that stop "
                           "the run, a number >= 1")
+    if args.loss_spike_factor is not None and not args.loss_spike_factor > 1:
+        raise ConfigError(f"--loss-spike-factor {args.loss_spike_factor:g}: a spike is a loss F times the recent "
+                          "median; give F > 1 (e.g. 3)")
     if not args.hang_timeout_min_seconds > 0:
         raise ConfigError(f"--hang-timeout-min-seconds {args.hang_timeout_min_seconds:g}: give seconds > 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:

@@ -31,8 +31,10 @@ from .arguments import UserError  # noqa: E402
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
               "loss_mask", "max_seqlen", "position_ids", "tokens")
 SPIKY_LOSS_FACTOR = 10  # a loss 10x the largest seen so far is spiky (pretrain_gpt.py's definition)
-# Tests inject a NaN loss at a chosen step (1-based) to prove that the run stops on it; unset in real runs.
+# Tests inject a NaN loss, or a loss 100x too large, at a chosen step (1-based) to prove that the run's checks catch
+# it; unset in real runs.
 _NAN_AT = int(os.environ["LITESPARK_TEST_NAN_AT_STEP"]) if os.environ.get("LITESPARK_TEST_NAN_AT_STEP") else None
+_SPIKE_AT = int(os.environ["LITESPARK_TEST_SPIKE_AT_STEP"]) if os.environ.get("LITESPARK_TEST_SPIKE_AT_STEP") else None
 
 
 # --------------------------------------------------------------------------------------------- the step
@@ -75,6 +77,8 @@ def loss_func(loss_mask, output_tensor):
     losses = output_tensor.view(-1).float()
     if _NAN_AT is not None and args.curr_iteration + 1 == _NAN_AT:
         losses = losses * float("nan")  # test-only fault (LITESPARK_TEST_NAN_AT_STEP): the checks below must stop it
+    if _SPIKE_AT is not None and args.curr_iteration + 1 == _SPIKE_AT:
+        losses = losses * 100.0  # test-only fault (LITESPARK_TEST_SPIKE_AT_STEP): --loss-spike-factor must see it
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
@@ -100,20 +104,26 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     attention kernel and fused paths ran is logged once and recorded for the tools."""
     global _probed
     from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training.training import stimer  # Megatron-LM's --log-straggler timer, as in pretrain_gpt.py
 
-    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
-    if batch is None:
-        tokens = position_ids = attention_mask = labels = loss_mask = None
-    else:
-        tokens, position_ids, labels, loss_mask = (batch[k] for k in ("tokens", "position_ids", "labels",
-                                                                      "loss_mask"))
-        attention_mask = batch["attention_mask"]
-    run = partial(model, tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    if _probed:
-        output = run()
-    else:
-        _probed = True
-        output = _probed_forward(run, model)
+    from . import telemetry
+
+    with telemetry.timed_forward():
+        with stimer(bdata=True):
+            batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+        if batch is None:
+            tokens = position_ids = attention_mask = labels = loss_mask = None
+        else:
+            tokens, position_ids, labels, loss_mask = (batch[k] for k in ("tokens", "position_ids", "labels",
+                                                                          "loss_mask"))
+            attention_mask = batch["attention_mask"]
+        run = partial(model, tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        with stimer:
+            if _probed:
+                output = run()
+            else:
+                _probed = True
+                output = _probed_forward(run, model)
     return output, partial(loss_func, loss_mask)
 
 
@@ -237,12 +247,37 @@ def train(args, plat) -> int:
     try:  # megatron.training leaves through sys.exit(0) after a signal or an exit limit
         pretrain(pretrain_cfg_container_from_args(args, model_config), datasets_provider,
                  ModelType.encoder_or_decoder, forward_step)
+    except SystemExit as e:
+        _explain_failed_validation(e.code, args)
+        raise
     finally:
         checkpoint_dir.finish()
     if args.sample_prompt is not None:
         sample.print_sample(args)
     telemetry.finish()
     return 0
+
+
+def _explain_failed_validation(code, args) -> None:
+    """megatron.training's rerun state machine stops a run whose loss or gradients were NaN/Inf (or a fatal check
+    failed) with exit code 16 or 17, after several log lines that number the iteration one past the step. Each rank
+    whose own check failed says it in one line: the step, the rank, what was non-finite."""
+    from megatron.core.rerun_state_machine import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                                                   EXIT_CODE_RESUME_TO_DISAMBIGUATE, get_rerun_state_machine)
+
+    if code not in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE):
+        return
+    machine = get_rerun_state_machine()
+    failed = machine.failed_validation_call
+    if failed is None:
+        return  # another rank's check failed; this one stops with it
+    step = args.curr_iteration + 1
+    saved = (f"the checkpoint of step {step - 1} in {args.save} holds the state before it: resumed on another node, "
+             "megatron.training re-runs the step there to tell a faulty GPU from the data; --rerun-mode disabled "
+             "resumes it anywhere" if code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and args.save
+             else "no checkpoint holds it")
+    print(f"{arguments.PROG}: error: step {step}: {failed.caller.message} (rank {failed.caller.rank}, value "
+          f"{machine.initial_result}); the step was not applied, {saved}; exit {code}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

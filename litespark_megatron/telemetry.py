@@ -21,6 +21,7 @@ last rank, where megatron.training's TensorBoard writer and the loss are.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -57,6 +58,7 @@ class Telemetry:
         self._paused_at: Optional[float] = None
         self._steps = 0
         self._loss_sum, self._loss_count, self._skipped = None, 0, 0
+        self._forward_s, self._forward_events = 0.0, []
         self.first_loss = self.last_loss = self.val = None
         self.load_seconds: Optional[float] = None
         self.iteration = 0
@@ -136,6 +138,7 @@ class Telemetry:
         self._paused_at = None
         self._steps = 0
         self._loss_sum, self._loss_count, self._skipped = None, 0, 0
+        self._forward_s, self._forward_events = 0.0, []
         if self.energy_ok:
             self.energy.lap()  # what ran before this interval (set-up, evaluation, a save) is not counted
 
@@ -192,11 +195,47 @@ class Telemetry:
             mfu=tflops / self.peak.tflops if self.peak else None,
             mfu_causal=tflops_causal / self.peak.tflops if self.peak else None,
             num_gpus=self.world if self.cuda else 0)
+        record.update(self._forward_times(steps))
         record.update(self._memory())
         record.update(self._energy(tokens, seconds))
         self.write(iteration, "train", record)
         self._tensorboard(iteration, record)
         self._restart()
+
+    # -- forward time per rank (stragglers) ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timed_forward(self):
+        """Around this rank's forward_step (its batch and forward): CUDA events on a GPU (the GPU's timeline between
+        them, host gaps included), the host clock on a CPU. Evaluation is not counted."""
+        if self._t0 is None or self._paused_at is not None:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._forward_events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._forward_s += time.perf_counter() - t0
+
+    def _forward_times(self, steps: int) -> dict:
+        """Every rank's forward time per step in the interval (after _sync), gathered: the slowest and fastest rank.
+        In data parallelism every rank waits for the slowest at the gradient reduction, so step times are equal;
+        the forward is where a slow GPU, host or data loader shows. Ranks of one tensor- or context-parallel group
+        wait for each other inside the forward too, and pipeline stages differ by design (embedding, output layer):
+        compare ranks that do the same work."""
+        mine = self._forward_s + sum(start.elapsed_time(end) for start, end in self._forward_events) / 1e3
+        every = [torch.zeros(1, dtype=torch.float64, device="cuda" if self.cuda else "cpu") for _ in range(self.world)]
+        if self.world > 1:
+            dist.all_gather(every, torch.tensor([mine / steps], dtype=torch.float64, device=every[0].device))
+        else:
+            every[0][0] = mine / steps
+        per_rank = [t.item() for t in every]
+        slowest = max(range(self.world), key=per_rank.__getitem__)
+        return dict(forward_s_max=per_rank[slowest], forward_s_min=min(per_rank), slowest_rank=slowest)
 
     def _memory(self) -> dict:
         if self.cuda:
@@ -242,7 +281,8 @@ class Telemetry:
         if writer is None:
             return
         for key in ("tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "tflops_per_gpu_causal", "mfu",
-                    "mfu_causal", "gpu_power_w", "joules_per_token", "energy_kwh_total", "mem_max_allocated_gb"):
+                    "mfu_causal", "gpu_power_w", "joules_per_token", "energy_kwh_total", "mem_max_allocated_gb",
+                    "forward_s_max", "forward_s_min", "slowest_rank"):
             value = record.get(key)
             if value is not None and math.isfinite(value):
                 writer.add_scalar(TB_PREFIX + key.replace("_", "-"), value, iteration)
@@ -345,7 +385,7 @@ def attach(args, plat) -> Telemetry:
         result = original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                               skipped_iter, grad_norm, *rest, **kwargs)
         _telemetry.on_iteration(iteration, loss_dict, learning_rate, loss_scale, skipped_iter, grad_norm)
-        watchdog.step_done(iteration, bool(skipped_iter))
+        watchdog.step_done(iteration, bool(skipped_iter), loss_dict)
         return result
 
     @functools.wraps(original_eval_print)
@@ -398,6 +438,10 @@ def attach(args, plat) -> Telemetry:
         fn.__litespark__ = True
         setattr(training, name, fn)
     return _telemetry
+
+
+def timed_forward():
+    return _telemetry.timed_forward() if _telemetry is not None else contextlib.nullcontext()
 
 
 def begin() -> None:

@@ -1,7 +1,8 @@
 """A run that stopped making progress ends, instead of holding every GPU of the job until the scheduler's time limit:
 
 - --hang-timeout-factor: a training step that takes far longer than the run's usual step;
-- --max-skipped-steps: fp16 steps skipped one after another for inf/NaN gradients (the loss scale cannot recover).
+- --max-skipped-steps: fp16 steps skipped one after another for inf/NaN gradients (the loss scale cannot recover);
+- --loss-spike-factor: a loss far above the recent median (warns, or stops before the spiked step is saved).
 
 Each rank runs a thread that knows when this rank last finished a step (telemetry's per-iteration hook calls
 `step_done`; evaluation and checkpoint saves pause it). When the current step has run longer than the factor times
@@ -13,6 +14,7 @@ is not waiting in a collective. NCCL's own timeout (--distributed-timeout-minute
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import socket
 import statistics
@@ -25,6 +27,8 @@ from typing import Optional
 from .arguments import PROG
 
 WARM_UP_STEPS = 3  # start-up, compilation and the first allocations make the first steps slow
+SPIKE_WINDOW = 100  # the median of this many recent losses is the reference of --loss-spike-factor
+SPIKE_MIN_HISTORY = 5  # a median of fewer losses is no reference yet
 
 
 class StepWatchdog:
@@ -91,19 +95,67 @@ class StepWatchdog:
             os._exit(1)  # the main thread is stuck: no exception could reach it
 
 
+class LossSpikeGuard:
+    """--loss-spike-factor F: the loss of a step above F times the median of the last SPIKE_WINDOW losses. Called on
+    every rank with the same loss (`world_loss`), so every rank takes the same decision."""
+
+    def __init__(self, factor: float, action: str):
+        self.factor, self.action = factor, action
+        self.losses: deque = deque(maxlen=SPIKE_WINDOW)
+
+    def check(self, iteration: int, loss: Optional[float]) -> None:
+        if loss is None:
+            return
+        if len(self.losses) >= SPIKE_MIN_HISTORY:
+            median = statistics.median(self.losses)
+            if loss > self.factor * median:
+                what = (f"loss spike at step {iteration}: {loss:.4g} is {loss / median:.1f} x the median "
+                        f"{median:.4g} of the last {len(self.losses)} steps (--loss-spike-factor {self.factor:g})")
+                if self.action == "stop":
+                    if os.environ.get("RANK", "0") == "0":
+                        print(f"{PROG}: error: {what}: stopping before the step is saved; resume from the last "
+                              f"checkpoint with --iterations-to-skip {iteration} (skips that step's data) or a lower "
+                              "--lr", file=sys.stderr, flush=True)
+                    sys.exit(1)
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"WARNING: {what}; training on (--loss-spike-action stop ends the run instead)",
+                          flush=True)
+        self.losses.append(loss)
+
+
+def world_loss(loss_dict) -> Optional[float]:
+    """The step's loss on every rank: megatron.training hands it to the last pipeline stage only (averaged over
+    data-parallel ranks there), so one MAX all-reduce over all ranks gives it to the other stages too."""
+    import torch
+    import torch.distributed as dist
+
+    value = loss_dict["lm loss"].detach().float().reshape(-1)[0].item() if "lm loss" in loss_dict else -math.inf
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        buf = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        value = buf.item()
+    return value if math.isfinite(value) else None
+
+
 current: Optional[StepWatchdog] = None
+spikes: Optional[LossSpikeGuard] = None
 
 
 def start(args) -> None:
-    global current
+    global current, spikes
     if (args.hang_timeout_factor or args.max_skipped_steps) and current is None:
         current = StepWatchdog(args.hang_timeout_factor, args.hang_timeout_min_seconds,
                                max_skipped=args.max_skipped_steps)
+    if args.loss_spike_factor and spikes is None:
+        spikes = LossSpikeGuard(args.loss_spike_factor, args.loss_spike_action)
 
 
-def step_done(iteration: int, skipped: bool = False) -> None:
+def step_done(iteration: int, skipped: bool = False, loss_dict=None) -> None:
     if current is not None:
         current.step_done(iteration, skipped)
+    if spikes is not None:
+        spikes.check(iteration, None if skipped else world_loss(loss_dict or {}))
 
 
 def pause() -> None:

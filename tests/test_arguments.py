@@ -139,6 +139,7 @@ def test_mla_replaces_the_presets_grouped_query_attention():
     (["--keep-last-checkpoints", "2"], 1, CPU, "--keep-last-checkpoints needs --save"),
     (["--hang-timeout-factor", "1"], 1, CPU, "--hang-timeout-factor 1: a step is hung when it takes F times"),
     (["--max-skipped-steps", "0"], 1, CPU, "--max-skipped-steps 0: give the skipped steps in a row"),
+    (["--loss-spike-factor", "1"], 1, CPU, "--loss-spike-factor 1: a spike is a loss F times the recent median"),
     (["--hang-timeout-factor", "10", "--hang-timeout-min-seconds", "0"], 1, CPU,
      "--hang-timeout-min-seconds 0: give seconds > 0"),
     (["--exit-duration-in-mins", "-1"], 1, CPU, "--exit-duration-in-mins -1: give the minutes of training"),

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ok, records, train
+from conftest import ROOT, child_env, ok, records, torchrun, train
 from litespark_megatron import telemetry
 
 
@@ -76,7 +76,22 @@ def test_metrics_file_schema(tmp_path):
         assert r["steps"] == 2 and r["tokens_per_sec"] == pytest.approx(2 * 128 / (2 * r["step_time_s"]))
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1.0)  # --peak-tflops 1
         assert r["gpu_power_w"] is None and r["joules_per_token"] is None and r["num_gpus"] == 0  # CPU
+        assert 0 < r["forward_s_min"] == r["forward_s_max"] < r["step_time_s"] and r["slowest_rank"] == 0
     saves = [r for r in rows if r["kind"] == "save"]
     assert all(r["seconds"] > 0 for r in saves)
     assert end["iterations"] == 4 and end["final_loss"] == train_rows[-1]["loss"]
     assert end["val_loss"] == [r for r in rows if r["kind"] == "val"][-1]["loss"]
+
+
+def test_the_slowest_rank_is_named_in_every_interval(tmp_path):
+    """DP2, rank 1 reads its micro-batch (one per step) 0.25 s late (tests/slow_rank.py): every rank's step takes as
+    long (rank 0 waits for rank 1 at the gradient reduction), but the forward times per rank name rank 1, 0.25 s per
+    step slower than rank 0 (less 0.05 s for the noise of forwards of ~0.01 s on a busy 2-core machine)."""
+    metrics = tmp_path / "m.jsonl"
+    ok(torchrun(2, ROOT / "tests" / "slow_rank.py", *MOCK, "--log-interval", "1", "--eval-iters", "0",
+                "--metrics-file", metrics, env=child_env(SLOW_RANK=1, SLOW_SECONDS=0.25)))
+    rows = records(metrics, "train")[1:]  # the first step: start-up, and its first forward is not timed
+    assert [r["slowest_rank"] for r in rows] == [1, 1, 1], rows
+    for r in rows:
+        assert r["forward_s_max"] - r["forward_s_min"] >= 0.2, r
+        assert r["step_time_s"] >= r["forward_s_max"], r

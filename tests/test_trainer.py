@@ -2,6 +2,7 @@
 bit-exact, checkpoints reshard across layouts, a stop signal saves and exits 0, a NaN loss stops the run, TensorBoard
 holds Megatron-LM's tags and the project's, and bad input fails before any work with one line."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -120,13 +121,24 @@ def test_exit_duration_saves_on_every_rank_at_one_step_and_exits_0(tmp_path):
 
 def test_nan_loss_stops_the_run(tmp_path):
     """A NaN loss at step 3 (the test-only fault LITESPARK_TEST_NAN_AT_STEP) is caught by megatron.training's
-    check (the rerun state machine re-runs the step, sees the same NaN, calls it reproducible): the run stops with
-    a non-zero code before step 3 is applied, and says why."""
-    proc = train(1, *MOCK, "--save", tmp_path / "run",
+    check (the rerun state machine re-runs the step, sees the same NaN, calls it reproducible): the run stops before
+    step 3 is applied, saves the state of step 2 for the re-run on another node and exits 16, with one line naming
+    the step, the rank and the value. That checkpoint holds no NaN: resumed (--rerun-mode disabled: this machine
+    is the same node), steps 3-6 train to finite losses."""
+    save = tmp_path / "run"
+    proc = train(1, *MOCK, "--save", save, "--load", save,
                  env=child_env(MASTER_PORT=free_port(), LITESPARK_TEST_NAN_AT_STEP=3))
-    assert proc.returncode != 0
-    assert "found NaN in local forward loss calculation" in proc.stdout + proc.stderr
-    assert sorted(losses(tmp_path / "run" / "metrics.jsonl")) == [1, 2]
+    assert proc.returncode == 16, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]
+    assert errors == [f"litespark-train: error: step 3: found NaN in local forward loss calculation (rank 0, value "
+                      f"nan); the step was not applied, the checkpoint of step 2 in {save} holds the state before "
+                      "it: resumed on another node, megatron.training re-runs the step there to tell a faulty GPU "
+                      "from the data; --rerun-mode disabled resumes it anywhere; exit 16"], errors
+    assert sorted(losses(save / "metrics.jsonl")) == [1, 2]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    ok(train(1, *MOCK, "--save", save, "--load", save, "--rerun-mode", "disabled"))
+    resumed = losses(save / "metrics.jsonl")
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in resumed.values()), resumed
 
 
 def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(tmp_path):
@@ -139,8 +151,8 @@ def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(tmp_path):
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     assert {"lm loss", "learning-rate", "grad-norm", "throughput"} <= scalars, scalars
-    assert {"litespark/mfu", "litespark/mfu-causal", "litespark/tokens-per-sec", "litespark/tflops-per-gpu"} <= \
-        scalars, scalars
+    assert {"litespark/mfu", "litespark/mfu-causal", "litespark/tokens-per-sec", "litespark/tflops-per-gpu",
+            "litespark/forward-s-max", "litespark/forward-s-min", "litespark/slowest-rank"} <= scalars, scalars
     assert "litespark/health/text_summary" in events.Tags()["tensors"]
 
 
