@@ -31,6 +31,9 @@ setup(
         "wandb": ["wandb"],
         # litespark-convert: Hugging Face Llama checkpoints in and out (transformers is a dependency already).
         "hf": ["transformers", "safetensors", "tqdm"],
+        # --attention-variant nsa on a GPU: fla-core's NSA Triton kernels (layers/nsa.py follows this version's
+        # definition; einops is its one dependency). Not needed on a CPU, which runs the plain-torch reference.
+        "nsa": ["fla-core==0.6.0"],
     },
     entry_points={
         "console_scripts": [

@@ -106,6 +106,20 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="after training, print the model's greedy continuation of this prompt (a text tokenizer "
                         "and pipeline-parallel size 1 needed)")
     g.add_argument("--sample-tokens", type=int, default=64, help="tokens to generate for --sample-prompt")
+    g.add_argument("--data-seed", type=int, default=None, metavar="N",
+                   help="the seed of the data order (the datasets' shuffle); default: --seed. Runs that differ in "
+                        "--seed alone then also differ in their data; the same --data-seed keeps it")
+    g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
+                   help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
+                        "attention (compressed, selected and sliding-window branches mixed by learned gates; "
+                        "fla-core's kernels on a GPU: pip install -e '.[nsa]')")
+    g.add_argument("--nsa-block-size", type=int, default=64, metavar="N",
+                   help="NSA: tokens per compressed and per selected block; must divide --seq-length (default 64)")
+    g.add_argument("--nsa-selected-blocks", type=int, default=16, metavar="N",
+                   help="NSA: blocks each query selects, its first, own and previous block included; a power of 2 "
+                        ">= 4 (default 16)")
+    g.add_argument("--nsa-window", type=int, default=512, metavar="N",
+                   help="NSA: tokens of the sliding-window branch, the query's own included (default 512)")
     g.add_argument("--hang-timeout-factor", type=float, default=None, metavar="F",
                    help="stop the run (exit 1, with each thread's stack of the rank) when a training step takes F "
                         "times the median step and at least --hang-timeout-min-seconds; default: off (NCCL's "
@@ -350,6 +364,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
                               "rope, use a preset (--model), or --spec stock")
     if args.num_experts:
         _check_moe(args, plat, world)
+    if args.attention_variant == "nsa":
+        _check_nsa(args, plat)
     if args.multi_latent_attention and args.qk_pos_emb_head_dim % 2:
         raise ConfigError(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
     if args.moe_grouped_gemm and not plat.te:
@@ -401,6 +417,41 @@ def check(args, plat, world: Optional[int] = None) -> None:
     from .legacy import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
+
+
+def _check_nsa(args, plat) -> None:
+    """--attention-variant nsa: what the Litespark NSA layer and, on a GPU, fla-core's kernels can run."""
+    from .layers.nsa import NSASettings, fla_available, fused_group_problem
+
+    if args.litespark_spec != "litespark":
+        raise ConfigError(f"--attention-variant nsa is a Litespark layer: it needs --spec litespark, not "
+                          f"{args.litespark_spec}")
+    if args.multi_latent_attention:
+        raise ConfigError("--attention-variant nsa and --multi-latent-attention are two attentions: choose one")
+    if args.context_parallel_size > 1:
+        raise ConfigError("--attention-variant nsa has no context parallelism (its selection needs every earlier "
+                          "block of the sequence on one rank): use --context-parallel-size 1")
+    for name in ("nsa_block_size", "nsa_selected_blocks", "nsa_window"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
+    if args.seq_length % args.nsa_block_size:
+        raise ConfigError(f"--nsa-block-size {args.nsa_block_size} does not divide --seq-length {args.seq_length}: "
+                          "NSA compresses whole blocks; choose a block size that divides the sequence")
+    selected = args.nsa_selected_blocks
+    if selected < 4 or selected & (selected - 1):
+        raise ConfigError(f"--nsa-selected-blocks {selected}: give a power of 2 >= 4 (the first, own and previous "
+                          "blocks are always selected; fla-core's kernels round the count up to a power of 2)")
+    if plat.device_type == "cuda":
+        if not fla_available():
+            raise ConfigError("--attention-variant nsa on a GPU runs fla-core's kernels, which are not importable "
+                              "here: pip install -e '.[nsa]'")
+        groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+        head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+        problem = fused_group_problem(args.num_attention_heads // args.tensor_model_parallel_size,
+                                      groups // args.tensor_model_parallel_size, head_dim,
+                                      NSASettings(args.nsa_block_size, selected, args.nsa_window))
+        if problem:
+            raise ConfigError(f"--attention-variant nsa: {problem}")
 
 
 def _check_run_control(args) -> None:

@@ -1,16 +1,20 @@
 """EfficientLLM-style efficiency suite: architecture and precision variants of one base model, each trained for the
 same steps on the same data by `litespark-train`, and their AMU, PCU, AL, TT, AEC, J/token and perplexity.
 
-    python tools/efficiency_suite.py --out runs/eff --model eff-0.5b --variants all -- --micro-batch-size 4 ...
+    python tools/efficiency_suite.py --out runs/eff --model eff-0.5b --variants all --repeats 3 -- --micro-batch-size 16 ...
 
 Every variant runs in a fresh `python -m litespark_megatron` (torchrun with --nproc > 1) that writes its own
 metrics.jsonl: the trainer's telemetry is the measurement, and this module only aggregates what it logged
 (docs/metrics.md, "EfficientLLM metrics"). A value the trainer did not measure (GPU memory, MFU, power on a CPU
 run) stays None here: "not measured" in the table, null in JSON/CSV, left out of plots with a note.
 
-The suite is resumable: OUT/suite_state.json records each variant's status as it goes. A second invocation with the
+`--repeats N` runs each variant N times (other model seeds, the same data): the table gives each number's mean and
+95% interval, and findings.md (findings.py) EfficientLLM's findings beside them with a verdict.
+
+The suite is resumable: OUT/suite_state.json records each run's status as it goes. A second invocation with the
 same settings skips variants that completed (or ran out of GPU memory) and re-runs the ones that were interrupted or
-failed. Every variant is validated in-process (config.resolve + config.validate) before anything runs.
+failed. Every variant is validated in-process (arguments.check_run) before anything runs; one that cannot run on
+this machine is a row saying why.
 """
 from __future__ import annotations
 
@@ -91,7 +95,8 @@ def _mla_flags(args, te: bool) -> list:
     query compression (megatron-core), so they are on where TE runs the layer."""
     d = args.hidden_size // args.num_attention_heads
     flags = ["--multi-latent-attention", "--qk-head-dim", str(d), "--v-head-dim", str(d), "--qk-pos-emb-head-dim",
-             str(d // 2), "--kv-lora-rank", str(4 * d), "--rope-type", "rope"]
+             str(d // 2), "--kv-lora-rank", str(4 * d), "--rope-type", "rope",
+             "--no-rope-fusion"]  # megatron-core fuses MLA's RoPE only in its YaRN form (0.19 refuses it here)
     return flags + (["--qk-layernorm"] if te else [])
 
 
@@ -104,7 +109,14 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("mqa", "multi-query attention: one KV head", lambda a, te: ["--num-query-groups", "1"]),
     Variant("mla", "multi-latent attention (DeepSeek-V2 proportions of the head dim; latent norms with TE)",
             lambda a, te: _mla_flags(a, te)),
+    Variant("nsa", "native sparse attention (compressed, selected and window branches, learned gates; fla-core "
+                   "kernels on a GPU) with heads/16 KV heads, the kernels' smallest group: compare with mqa",
+            lambda a, te: ["--attention-variant", "nsa", "--num-query-groups", str(max(a.num_attention_heads // 16,
+                                                                                       1))]),
     Variant("moe", "mixture of experts: 8 experts of the dense FFN size, top-2, aux loss 0.01", _moe_flags),
+    Variant("moe-active", "mixture of experts at the dense model's active parameters: 8 experts of half the FFN, "
+                          "top-2", lambda a, te: _moe_flags(a, te) + ["--moe-ffn-hidden-size",
+                                                                        str(a.ffn_hidden_size // 2)]),
     Variant("nope", "no positional encoding (NoPE)", lambda a, te: ["--position-embedding-type", "none"]),
     Variant("bf16", "BF16 parameters and compute", lambda a, te: [], precision="bf16"),
     Variant("fp16", "FP16 with dynamic loss scaling", lambda a, te: [], precision="fp16"),
@@ -147,6 +159,12 @@ class Settings:
     variant_flags: Dict[str, List[str]]
     shared: List[str]  # litespark-train flags after '--'
     allow_degraded: bool = False
+    repeats: int = 1
+
+    def run_ids(self, name: str) -> List[str]:
+        """The runs of one variant: its name for the first repeat (so a suite of one repeat is what it always
+        was), NAME.rK for repeat K."""
+        return [name] + [f"{name}.r{k}" for k in range(2, self.repeats + 1)]
 
     def identity(self) -> dict:
         """What makes two invocations the same suite (the variant list may grow between them)."""
@@ -197,6 +215,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rerun", default="", help="comma list of variants to run again even if recorded as done")
     p.add_argument("--variant-flags", action="append", default=[], metavar="NAME=FLAGS",
                    help="extra litespark-train flags for one variant, e.g. moe='--num-experts 4'")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of each variant, with seeds --seed, --seed + 1, ... and the same data (--data-seed "
+                        "--seed): the table gives each number's mean and 95%% interval, findings.md the verdicts; "
+                        "a suite may be continued with more repeats")
     p.add_argument("--allow-degraded", action="store_true",
                    help="exit 0 even if a variant fell back (unfused attention, a fused path asked for but off); it "
                         "stays flagged DEGRADED in the table")
@@ -230,19 +252,21 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                     train_iters=ns.train_iters, log_interval=ns.log_interval, eval_iters=ns.eval_iters,
                     nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
                     timeout=ns.timeout, time_budget=ns.time_budget, rerun=rerun, variant_flags=variant_flags,
-                    shared=shared, allow_degraded=ns.allow_degraded)
+                    shared=shared, allow_degraded=ns.allow_degraded, repeats=ns.repeats)
 
 
 # --------------------------------------------------------------------------------------------- validation
 def plan(settings: Settings, plat) -> Dict[str, dict]:
     """Each requested variant's litespark-train flags and resolved configuration, validated for this machine and
-    --nproc. Raises UserError listing every variant that cannot run (nothing has run yet)."""
+    --nproc. A variant that cannot run here is planned with the reason (`cannot_run`): its row says why. Raises
+    UserError, listing every reason, when no variant can run (nothing has run yet)."""
     base = arguments.resolve_quietly(settings.base_flags() + PRECISIONS[settings.precision], plat)
     arguments.check_run(base, plat, settings.nproc)
     te = base.transformer_impl == "transformer_engine"
     planned, problems = {}, []
     for name in settings.variants:
         variant = VARIANTS[name]
+        flags = []
         try:
             flags = settings.base_flags() + PRECISIONS[variant.precision or settings.precision] + \
                 variant.flags(base, te) + settings.variant_flags.get(name, [])
@@ -250,13 +274,26 @@ def plan(settings: Settings, plat) -> Dict[str, dict]:
             arguments.check_run(args, plat, settings.nproc)
         except UserError as e:
             problems.append(f"variant '{name}' cannot run here: {e}")
+            try:  # its shape, for the parameter count of its row
+                args = arguments.resolve_quietly(flags, plat) if flags else None
+            except UserError:
+                args = None
+            planned[name] = dict(flags=flags, key=None, args=args, cannot_run=str(e),
+                                 vocab=arguments.model_vocab_size(base))
             continue
         resolved = dict(sorted(vars(args).items()))
         key = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        planned[name] = dict(flags=flags, key=key, args=args)
-    if problems:
+        planned[name] = dict(flags=flags, key=key, args=args, seed=args.seed)
+    if len(problems) == len(settings.variants):
         raise UserError("\n".join(problems))
     return planned
+
+
+def run_flags(settings: Settings, entry: dict, repeat: int) -> List[str]:
+    """A variant's flags for repeat K (1-based): another model seed, the first repeat's data order."""
+    if repeat == 1:
+        return entry["flags"]
+    return entry["flags"] + ["--seed", str(entry["seed"] + repeat - 1), "--data-seed", str(entry["seed"])]
 
 
 # --------------------------------------------------------------------------------------------- state
@@ -445,12 +482,12 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     return out
 
 
-def _params_of(args) -> dict:
+def _params_of(args, vocab: Optional[int] = None) -> dict:
     """Total and active (MoE: top-k experts) parameters of the whole model, counted from its shape with the
-    vocabulary megatron.training builds for it (its tokenizer's: the corpus's, not the preset's)."""
+    vocabulary megatron.training builds for it (its tokenizer's: the corpus's, not the preset's), or `vocab`."""
     from .metrics.flops import ModelShape, param_count
 
-    count = param_count(ModelShape.from_args(args, padded_vocab=arguments.model_vocab_size(args)))
+    count = param_count(ModelShape.from_args(args, padded_vocab=vocab or arguments.model_vocab_size(args)))
     return dict(total=count.total, active=count.active)
 
 
@@ -466,38 +503,87 @@ METRICS = (  # (key, column title, format) in table order
     ("tokens_per_sec", "tokens/s", "{:,.0f}"),
     ("peak_mem_gb", "peak alloc (GB)", "{:.2f}"),
 )
-CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_active", "val_ppl", "val_loss",
-              "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w", "aec_w_per_gpu",
-              "j_per_token", "energy_kwh", "host_rss_gb", "intervals_used", "steps_measured", "attention", "degraded",
-              "error", "flags")
+# The numbers given with their spread over repeats (mean and 95% interval; findings.py).
+SPREAD_KEYS = ("val_ppl", "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec",
+               "aec_w", "aec_w_per_gpu", "j_per_token")
+CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_active", "repeats_done", "val_ppl",
+              "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w",
+              "aec_w_per_gpu", "j_per_token", "val_ppl_ci95", "amu_gb_ci95", "pcu_ci95", "al_s_ci95",
+              "tokens_per_sec_ci95", "j_per_token_ci95", "tokens_per_sec_range", "energy_kwh", "host_rss_gb",
+              "intervals_used", "steps_measured", "attention", "degraded", "error", "flags")
+
+
+def _run_summary(settings: Settings, run_id: str, counts: dict) -> Optional[dict]:
+    metrics = settings.out / "runs" / run_id / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    records = _records(metrics)
+    world = next((r.get("world_size") for r in records if r.get("kind") == "run" and "params" in r), 1)
+    # The run record counts rank 0's parameters: the whole model only on one process.
+    override = counts["total"] if (world or 1) > 1 else None
+    summary = summarize_metrics(records, settings.warmup_intervals, params_override=override)
+    summary["params_source"] = "run record" if override is None else "parameter count of the shape"
+    return summary
 
 
 def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> List[dict]:
+    """One row per variant: the mean of each number over its finished repeats, its spread (`spread`: n, mean, min,
+    max, 95% interval) and the status of the whole (done when every repeat is)."""
+    from .findings import interval
+
     rows = []
     for name in settings.variants:
-        entry = state["variants"].get(name, {})
-        source = entry.get("same_as") or name
-        source_entry = state["variants"].get(source, {})
-        row = dict(variant=name, what=VARIANTS[name].what, status=source_entry.get("status", "not run"),
-                   same_run_as=entry.get("same_as"), flags=" ".join(planned[name]["flags"]),
-                   error=source_entry.get("error"))
-        args = planned[name]["args"]
-        counts = _params_of(args)
-        metrics = settings.out / "runs" / source / "metrics.jsonl"
-        if row["status"] == "done" and metrics.exists():
-            records = _records(metrics)
-            world = next((r.get("world_size") for r in records if r.get("kind") == "run" and "params" in r), 1)
-            # The run record counts rank 0's parameters: the whole model only on one process.
-            override = counts["total"] if (world or 1) > 1 else None
-            row.update(summarize_metrics(records, settings.warmup_intervals, params_override=override))
-            row["params_source"] = "run record" if override is None else "parameter count of the shape"
+        entry = planned[name]
+        row = dict(variant=name, what=VARIANTS[name].what, status="not run", same_run_as=None,
+                   flags=" ".join(entry["flags"]), error=None, repeats_done=0, spread={})
+        args = entry.get("args")
+        counts = _params_of(args, entry.get("vocab")) if args is not None else dict(total=None, active=None)
+        if entry.get("cannot_run"):
+            row.update(status="cannot run here", error=entry["cannot_run"])
         else:
+            summaries, statuses, errors = [], [], []
+            for run_id in settings.run_ids(name):
+                recorded = state["variants"].get(run_id, {})
+                source = recorded.get("same_as") or run_id
+                if recorded.get("same_as"):
+                    row["same_run_as"] = source.split(".r")[0]
+                source_entry = state["variants"].get(source, {})
+                statuses.append(source_entry.get("status", "not run"))
+                summary = _run_summary(settings, source, counts) if statuses[-1] == "done" else None
+                if summary is not None:
+                    summaries.append(summary)
+                elif source_entry.get("error"):
+                    errors.append(source_entry["error"])
+            row["repeats_done"] = len(summaries)
+            if len(summaries) == settings.repeats:
+                row["status"] = "done"
+            elif summaries:
+                row["status"] = f"{len(summaries)} of {settings.repeats} repeats done"
+            else:
+                row["status"] = next((st for st in statuses if st != "not run"), "not run")
+            row["error"] = errors[-1] if errors else None
+            if summaries:
+                row.update(summaries[0])
+                for key in SPREAD_KEYS:
+                    spread = interval([m.get(key) for m in summaries])
+                    row[key] = spread.mean if spread else None
+                    row["spread"][key] = spread
+                row["degraded"] = "; ".join(sorted({m["degraded"] for m in summaries if m.get("degraded")}))
+        if "params" not in row or row["params"] is None:
             row["params"] = counts["total"]
             row["params_source"] = "parameter count of the shape"
         # MoE: the parameters one token runs through (router, top-k experts, shared experts, the rest).
-        row["params_active"] = counts["active"] if args.num_experts else row["params"]
+        row["params_active"] = counts["active"] if args is not None and args.num_experts else row["params"]
         rows.append(row)
     return rows
+
+
+def _fmt_spread(row: dict, key: str, spec: str) -> str:
+    text = _fmt(row.get(key), spec)
+    spread = row["spread"].get(key)
+    if spread is not None and spread.half_width is not None and spread.mean:
+        text += f" ±{spread.half_width / abs(spread.mean):.1%}"
+    return text
 
 
 def _fmt(value, spec: str) -> str:
@@ -516,15 +602,25 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
         if r.get("params_active") and r.get("params") and r["params_active"] != r["params"]:
             params += f" ({r['params_active'] / 1e6:,.1f}M active)"
         status = r["status"] + (f" (same run as {r['same_run_as']})" if r.get("same_run_as") else "")
-        if r["status"] != "done":
+        if not r["repeats_done"]:
             cells = [r["status"].upper() if r["status"] == "oom" else "-" for _ in METRICS] + ["-"]
             status += f": {r.get('error') or ''}".rstrip(": ")
         else:
-            cells = [_fmt(r.get(key), spec) for key, _, spec in METRICS] + [r.get("attention") or "not recorded"]
+            cells = [_fmt_spread(r, key, spec) for key, _, spec in METRICS] + [r.get("attention") or "not recorded"]
             if r.get("degraded"):
                 status += f", DEGRADED: {r['degraded']}"
         lines.append("| " + " | ".join([r["variant"], params] + cells + [status.replace("|", "/")]) + " |")
-    notes = [
+    notes = []
+    if settings.repeats > 1:
+        spreads = [(r["spread"]["tokens_per_sec"].relative_range, r["variant"]) for r in rows
+                   if r["repeats_done"] > 1 and r["spread"].get("tokens_per_sec")]
+        widest = max(spreads, default=None)
+        notes.append(f"{settings.repeats} repeats per variant (seeds --seed, --seed + 1, ...; the same data): each "
+                     "number is the mean, ± the half-width of its 95% confidence interval (Student's t), relative; "
+                     "min and max in efficiency.json." +
+                     (f" Spread of tokens/s between repeats, (max - min) / mean: at most {widest[0]:.2%} "
+                      f"({widest[1]})." if widest else ""))
+    notes += [
         f"Base `{settings.model}`, {settings.train_iters} steps per variant, precision {settings.precision} unless "
         f"the variant is a precision, {settings.nproc} process(es) on {device}; shared flags: "
         f"`{' '.join(settings.shared) or '(none)'}`.",
@@ -541,15 +637,22 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
 
 
 def write_json_csv(rows: List[dict], settings: Settings, device: str) -> None:
-    doc = dict(settings=settings.identity() | dict(variants=settings.variants, warmup_intervals=settings.warmup_intervals),
+    doc = dict(settings=settings.identity() | dict(variants=settings.variants, warmup_intervals=settings.warmup_intervals,
+                                                   repeats=settings.repeats),
                device=device, definitions_doc="docs/metrics.md#efficientllm-metrics",
-               variants=[{k: v for k, v in r.items()} for r in rows])
+               variants=[dict(r, spread={k: v.as_dict() for k, v in r["spread"].items() if v is not None})
+                         for r in rows])
     (settings.out / "efficiency.json").write_text(json.dumps(doc, indent=1, default=str))
     with open(settings.out / "efficiency.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+            flat = dict(r)
+            for key, spread in r["spread"].items():
+                if spread is not None:
+                    flat[f"{key}_ci95"] = spread.half_width
+                    flat[f"{key}_range"] = f"{spread.min}-{spread.max}"
+            writer.writerow({k: ("" if flat.get(k) is None else flat.get(k)) for k in CSV_FIELDS})
 
 
 def write_plots(rows: List[dict], out: Path) -> List[Path]:
@@ -564,10 +667,10 @@ def write_plots(rows: List[dict], out: Path) -> List[Path]:
     shutil.rmtree(plots, ignore_errors=True)
     plots.mkdir(parents=True)
     # One point/bar per training run: variants measured by the same run share it ("dense=gqa").
-    done, failed = [], [f"{r['variant']} ({r['status']})" for r in rows if r["status"] != "done"]
+    done, failed = [], [f"{r['variant']} ({r['status']})" for r in rows if not r["repeats_done"]]
     names = {r["variant"] for r in rows}
     for r in rows:
-        if r["status"] == "done" and r.get("same_run_as") not in names:
+        if r["repeats_done"] and r.get("same_run_as") not in names:
             twins = [t["variant"] for t in rows if t.get("same_run_as") == r["variant"]]
             done.append(dict(r, variant="=".join([r["variant"]] + twins)))
     written = []
@@ -640,7 +743,7 @@ def write_tensorboard(rows: List[dict], out: Path, table: str) -> None:
     for r in rows:
         writer = SummaryWriter(log_dir=str(tb / r["variant"]))
         step = r.get("steps_measured") or 0
-        if r["status"] == "done":
+        if r["repeats_done"]:
             for key in ("val_ppl", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec",
                         "aec_w", "aec_w_per_gpu", "j_per_token", "params"):
                 value = r.get(key)
@@ -654,9 +757,15 @@ def write_tensorboard(rows: List[dict], out: Path, table: str) -> None:
 
 
 def write_report(settings: Settings, planned: Dict[str, dict], state: dict, device: str) -> List[dict]:
+    from . import findings
+
     rows = collect_rows(settings, planned, state)
     table = markdown_table(rows, settings, device)
     (settings.out / "efficiency.md").write_text(f"# Efficiency suite: {settings.model}\n\n" + table)
+    spreads = {r["variant"]: r["spread"] for r in rows}
+    header = (f"# EfficientLLM's findings against this suite: {settings.model}, {settings.repeats} repeat(s), "
+              f"{settings.train_iters} steps per run, on {device}")
+    (settings.out / "findings.md").write_text(findings.markdown(findings.evaluate(spreads), header))
     write_json_csv(rows, settings, device)
     write_plots(rows, settings.out)
     write_tensorboard(rows, settings.out, table)
@@ -668,54 +777,64 @@ def run_suite(settings: Settings, log=print) -> int:
     from . import platform
 
     plat = platform.detect()
-    planned = plan(settings, plat)  # raises before anything runs
+    planned = plan(settings, plat)  # raises before anything runs when no variant can run
+    for name, entry in planned.items():
+        if entry.get("cannot_run"):
+            log(f"{name}: cannot run here: {entry['cannot_run']}")
     settings.out.mkdir(parents=True, exist_ok=True)
     state = load_state(settings.out, settings.identity())
     device = f"{plat.device_name} ({plat.device_type})"
-    # Variants that resolve to the same configuration (e.g. dense and gqa on a GQA preset) are measured once.
-    def kept(name: str, entry: dict) -> bool:
+
+    def kept(run_id: str, entry: dict) -> bool:
         """A recorded outcome a resumed suite keeps: done with its complete metrics, or out of memory."""
+        name = run_id.split(".r")[0]
         if entry.get("same_as") or name in settings.rerun or entry.get("status") not in FINAL:
             return False
-        return entry["status"] == "oom" or _completed(settings.out / "runs" / name / "metrics.jsonl")
+        return entry["status"] == "oom" or _completed(settings.out / "runs" / run_id / "metrics.jsonl")
 
+    # Runs that resolve to the same configuration (e.g. dense and gqa on a GQA preset) are measured once.
     runner_for = {}
-    for name, entry in state["variants"].items():
-        if kept(name, entry):
-            runner_for.setdefault(entry.get("key"), name)
+    for run_id, entry in state["variants"].items():
+        if kept(run_id, entry):
+            runner_for.setdefault(entry.get("key"), run_id)
     t0, stopped = time.time(), []
-    for name in settings.variants:
-        key = planned[name]["key"]
-        entry = state["variants"].get(name, {})
-        runner = runner_for.get(key)
-        if runner and runner != name:
-            state["variants"][name] = dict(key=key, same_as=runner, flags=planned[name]["flags"])
+    for repeat in range(1, settings.repeats + 1):  # every variant once, then the second repeats, ...
+        for name in settings.variants:
+            if planned[name].get("cannot_run"):
+                continue
+            run_id = settings.run_ids(name)[repeat - 1]
+            key = planned[name]["key"] + ("" if repeat == 1 else f"/r{repeat}")
+            flags = run_flags(settings, planned[name], repeat)
+            entry = state["variants"].get(run_id, {})
+            runner = runner_for.get(key)
+            if runner and runner != run_id:
+                state["variants"][run_id] = dict(key=key, same_as=runner, flags=flags)
+                save_state(settings.out, state)
+                log(f"{run_id}: same configuration as {runner}, measured once")
+                continue
+            runner_for.setdefault(key, run_id)
+            if kept(run_id, entry) and entry.get("key") == key:
+                log(f"{run_id}: already {entry['status']}, skipped")
+                continue
+            if settings.time_budget is not None and time.time() - t0 > settings.time_budget:
+                stopped.append(run_id)
+                continue
+            state["variants"][run_id] = dict(key=key, status="running", flags=flags,
+                                             started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            save_state(settings.out, state)  # a crash from here on leaves it 'running': the next invocation re-runs it
+            log(f"{run_id}: training ({VARIANTS[name].what}) ...")
+            result = run_variant(settings, run_id, flags)
+            state["variants"][run_id] = dict(key=key, **result)
             save_state(settings.out, state)
-            log(f"{name}: same configuration as {runner}, measured once")
-            continue
-        runner_for.setdefault(key, name)
-        if kept(name, entry) and entry.get("key") == key:
-            log(f"{name}: already {entry['status']}, skipped")
-            continue
-        if settings.time_budget is not None and time.time() - t0 > settings.time_budget:
-            stopped.append(name)
-            continue
-        state["variants"][name] = dict(key=key, status="running", flags=planned[name]["flags"],
-                                       started=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        save_state(settings.out, state)  # a crash from here on leaves it 'running': the next invocation re-runs it
-        log(f"{name}: training ({VARIANTS[name].what}) ...")
-        result = run_variant(settings, name, planned[name]["flags"])
-        state["variants"][name] = dict(key=key, **result)
-        save_state(settings.out, state)
-        log(f"{name}: {result['status']} in {result['seconds']:.0f} s" +
-            (f": {result['error']}" if result.get("error") else ""))
+            log(f"{run_id}: {result['status']} in {result['seconds']:.0f} s" +
+                (f": {result['error']}" if result.get("error") else ""))
     rows = write_report(settings, planned, state, device)
     log((settings.out / "efficiency.md").read_text())
-    log(f"wrote {settings.out / 'efficiency.md'}, efficiency.json, efficiency.csv, plots/, tb/")
+    log(f"wrote {settings.out / 'efficiency.md'}, findings.md, efficiency.json, efficiency.csv, plots/, tb/")
     if stopped:
         log(f"--time-budget reached: not started {', '.join(stopped)}; run the same command again to continue")
         return 3
-    degraded = [f"{r['variant']}: {r['degraded']}" for r in rows if r["status"] == "done" and r.get("degraded")]
+    degraded = [f"{r['variant']}: {r['degraded']}" for r in rows if r["repeats_done"] and r.get("degraded")]
     for what in degraded:
         log(f"DEGRADED variant {what}" +
             ("" if settings.allow_degraded else " (fix the environment, or pass --allow-degraded to accept it)"))

@@ -15,6 +15,7 @@ Attention is observed, not inferred from settings:
 - Transformer Engine's DotProductAttention: forward hooks on its backend submodules (`FusedAttention`, cuDNN;
   `FlashAttention`; `UnfusedDotProductAttention`), with the cuDNN version TE loaded;
 - megatron-core's `DotProductAttention` (the stock local spec): softmax over materialized scores, unfused;
+- a Litespark core attention that names its own kernels (`observed_attention`: native sparse attention);
 - torch's `scaled_dot_product_attention` (the Litespark core attention, HF transformers): a TorchFunctionMode sees
   each call and asks torch's dispatcher which kernel it picks for exactly those tensors (`torch._fused_sdp_choice`);
   the direct cuDNN calls of the Litespark context-parallel path are seen as themselves.
@@ -144,9 +145,12 @@ class BackendProbe:
                     use = te_use(cls.__name__, te_cudnn)
                 elif _is_megatron_dot_product_attention(module):
                     use = AttentionUse("megatron-core DotProductAttention (materialized scores)", "unfused")
+                elif hasattr(module, "observed_attention"):  # a Litespark attention that says what it runs (NSA)
+                    use = None
                 else:
                     continue
-                handle = module.register_forward_hook(lambda *_, use=use: self._record(use))
+                handle = module.register_forward_hook(
+                    lambda mod, inputs, out, use=use: self._record(use or mod.observed_attention(inputs[0])))
                 stack.callback(handle.remove)
         stack.enter_context(_SdpaSpy(self._record))
         self._stack = stack

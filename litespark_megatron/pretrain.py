@@ -155,8 +155,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        random_seed=args.seed if args.data_seed is None else args.data_seed, sequence_length=args.seq_length,
+        blend=blend, blend_per_split=blend_per_split, split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,

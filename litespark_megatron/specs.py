@@ -36,11 +36,13 @@ MLA_LOCAL_TO_TE_KEYS = {
 }
 
 
-def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = False) -> dict:
-    """Local-backend keys -> te-backend keys, for the norms the te backend fuses in this architecture. MLA's
-    input norm and an MoE layer's pre-MLP norm stay separate modules on te too (nothing to fuse them into); MLA's
-    latent norms exist only with qk_layernorm."""
-    if multi_latent_attention:
+def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = False, nsa: bool = False) -> dict:
+    """Local-backend keys -> te-backend keys, for the norms the te backend fuses in this architecture. MLA's and
+    NSA's input norm and an MoE layer's pre-MLP norm stay separate modules on te too (nothing to fuse them into, or,
+    for NSA, two linears that read the normed input); MLA's latent norms exist only with qk_layernorm."""
+    if nsa:
+        keys = {}
+    elif multi_latent_attention:
         keys = dict(MLA_LOCAL_TO_TE_KEYS) if qk_layernorm else {}
     else:
         keys = {"input_layernorm.": LOCAL_TO_TE_KEYS["input_layernorm."]}
@@ -51,7 +53,8 @@ def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = Fals
 
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
                              num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                             q_lora_rank: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
+                             q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
+                             nsa=None) -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     Core attention is torch's scaled_dot_product_attention (LitesparkCoreAttention) on both backends: on Hopper it
@@ -64,6 +67,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     or TE's norm+linear up projections (te), as megatron-core's own MLA specs. MLP: the Litespark SwiGLU MLP,
     or (num_experts) megatron-core's MoELayer, whose experts are megatron-core SwiGLU MLPs made of the same
     linears (local: SequentialMLP; te: TEGroupedMLP with moe_grouped_gemm, else SequentialMLP of TE linears).
+    nsa (layers.nsa.NSASettings): native sparse attention instead of dense attention, its gates a second
+    column-parallel linear beside QKV, both reading the input norm's output (a module of its own then).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -81,6 +86,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
         norm = TENorm
         fused_norm = IdentityOp  # the norm lives inside the next TELayerNormColumnParallelLinear
+        column = TEColumnParallelLinear
         qkv = fc1 = TELayerNormColumnParallelLinear
         proj = fc2 = TERowParallelLinear
         # MLA: the down projections are replicated (TE 'duplicated'); the up projections carry the latent norms.
@@ -95,7 +101,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         norm = fused_norm = LitesparkRMSNorm
-        qkv = fc1 = ColumnParallelLinear
+        qkv = fc1 = column = ColumnParallelLinear
         proj = fc2 = RowParallelLinear
         # MLA's down projections: column-parallel, their outputs gathered by megatron-core (its local spec's choice;
         # without TE, MLASelfAttention takes no replicated linear).
@@ -107,7 +113,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                            q_layernorm=LitesparkRMSNorm if qk_layernorm and q_lora_rank else IdentityOp,
                            kv_layernorm=LitesparkRMSNorm if qk_layernorm else IdentityOp)
         provider = LocalSpecProvider()
-        keys_map = _keys_map(multi_latent_attention, bool(num_experts), qk_layernorm)
+        keys_map = _keys_map(multi_latent_attention, bool(num_experts), qk_layernorm, nsa is not None)
     else:
         raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
 
@@ -116,6 +122,16 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         attention = ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                                submodules=MLASelfAttentionSubmodules(core_attention=core_attention,
                                                                      linear_proj=proj, **mla_linears))
+    elif nsa is not None:
+        from .layers.nsa import LitesparkNSACoreAttention, LitesparkNSASelfAttention, NSASelfAttentionSubmodules
+
+        input_norm = norm
+        attention = ModuleSpec(module=LitesparkNSASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=NSASelfAttentionSubmodules(
+                                   linear_qkv=column, linear_gate=column, linear_proj=proj,
+                                   core_attention=ModuleSpec(module=LitesparkNSACoreAttention,
+                                                             params={"settings": nsa}),
+                                   q_layernorm=IdentityOp, k_layernorm=IdentityOp))
     else:
         input_norm = fused_norm
         attention = ModuleSpec(module=LitesparkSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
@@ -143,10 +159,10 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     )
 
 
-def litespark_layer_spec(model_config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None) -> TransformerBlockSubmodules:
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
-    --transformer-impl."""
+    --transformer-impl; `nsa` (bound by model.py for --attention-variant nsa) selects native sparse attention."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     config = getattr(model_config, "transformer", model_config)
@@ -154,7 +170,7 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None) -> Transf
     layer = get_litespark_layer_spec(backend, multi_latent_attention=bool(config.multi_latent_attention),
                                      num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                      q_lora_rank=getattr(config, "q_lora_rank", None),
-                                     qk_layernorm=bool(config.qk_layernorm))
+                                     qk_layernorm=bool(config.qk_layernorm), nsa=nsa)
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:

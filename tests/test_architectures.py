@@ -1,5 +1,5 @@
 """Architecture knobs through litespark-train: MoE (megatron-core MoELayer, expert parallel), MLA (megatron-core
-MLASelfAttention with the Litespark core attention), NoPE. The same losses in every layout as on one process
+MLASelfAttention with the Litespark core attention), NSA (the Litespark native sparse attention), NoPE. The same losses in every layout as on one process
 (layout-invariant init of experts, router and MLA projections; tolerances as test_parallel_parity.py), and one
 clear error for each combination that cannot run."""
 import pytest
@@ -14,6 +14,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 # Query compression and the latent norms on, so that every MLA module is exercised.
 MLA = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "64", "--qk-head-dim", "32",
        "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm"]
+# 4 blocks of 8 in a 32-token sequence: the later queries select 4 of them and see 8 in their window.
+NSA = ["--attention-variant", "nsa", "--nsa-block-size", "8", "--nsa-selected-blocks", "4", "--nsa-window", "8"]
 
 LAYOUTS = {
     # megatron-core's default dispatcher (allgather) runs in the TP2 and CP2 layouts below.
@@ -28,6 +30,8 @@ LAYOUTS = {
     "mla-dp2": (2, MLA, []),
     "mla-pp2": (2, MLA, ["--pipeline-model-parallel-size", "2"]),
     "mla-cp2": (2, MLA, ["--context-parallel-size", "2"]),
+    # The branch gates are a second column-parallel linear: split by heads with the queries, sequence gathered.
+    "nsa-tp2-sp": (2, NSA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 
 
@@ -62,10 +66,10 @@ def test_layout_matches_single_process(layout, references, tmp_path):
 
 
 def test_architectures_change_the_model(references):
-    """The flags reach the model: MoE, MLA and the dense model start from different losses."""
-    dense, moe, mla = references([]), references(MOE), references(MLA)
-    assert len({round(x["losses"][0], 6) for x in (dense, moe, mla)}) == 3, (dense, moe, mla)
-    for r in (moe, mla):
+    """The flags reach the model: MoE, MLA, NSA and the dense model start from different losses."""
+    dense, moe, mla, nsa = references([]), references(MOE), references(MLA), references(NSA)
+    assert len({round(x["losses"][0], 6) for x in (dense, moe, mla, nsa)}) == 4, (dense, moe, mla, nsa)
+    for r in (moe, mla, nsa):
         assert all(l == l and l < 10 for l in r["losses"])
 
 
@@ -186,6 +190,14 @@ def test_core_attention_with_mla_head_dims():
      "--moe-ffn-hidden-size 33 is not divisible by the expert tensor-parallel size 2"),
     (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"],
      2, "which gloo (the CPU backend) cannot do"),
+    (NSA + ["--nsa-block-size", "5"], 1, "--nsa-block-size 5 does not divide --seq-length 32: NSA compresses whole "
+     "blocks"),
+    (NSA + ["--context-parallel-size", "2"], 2, "--attention-variant nsa has no context parallelism"),
+    (NSA + ["--nsa-selected-blocks", "3"], 1, "--nsa-selected-blocks 3: give a power of 2 >= 4"),
+    (NSA + ["--nsa-window", "0"], 1, "--nsa-window 0: give a positive number"),
+    (NSA + MLA, 1, "--attention-variant nsa and --multi-latent-attention are two attentions: choose one"),
+    (NSA + ["--spec", "stock-local"], 1, "--attention-variant nsa is a Litespark layer: it needs --spec litespark, "
+     "not stock-local"),
 ])
 def test_combinations_that_cannot_run_are_refused(flags, nproc, message, tmp_path):
     """Refused before any process group (WORLD_SIZE set as torchrun would), one line on stderr, exit 2."""

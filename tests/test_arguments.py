@@ -189,3 +189,25 @@ def test_litespark_flags_are_in_the_help():
     for flag in ("--model", "--config", "--embedded-corpus", "--metrics-file", "--peak-tflops", "--sample-prompt"):
         assert flag in text
     assert isinstance(arguments.full_parser(), argparse.ArgumentParser)
+
+
+NSA_GPU = ["--model", "eff-0.5b", "--mock-data", "--lr", "1e-3", "--micro-batch-size", "2", "--train-iters", "2",
+           "--eval-interval", "10", "--attention-variant", "nsa", "--transformer-impl", "transformer_engine"]
+
+
+def test_nsa_on_a_gpu_needs_fla_core_and_a_shape_its_kernels_run(monkeypatch):
+    """Checked with a GPU platform value: without fla-core the run is refused with the install command; with it,
+    eff-0.5b's 4 query heads per KV head are refused (fla-core's kernels need 16, a power of 2) with the flag that
+    fixes it, which then passes; a block smaller than twice the selected blocks is refused."""
+    from litespark_megatron.layers import nsa
+
+    with pytest.raises(ConfigError, match=r"runs fla-core's kernels, which are not importable here: pip install -e "
+                                          r"'\.\[nsa\]'"):
+        check(NSA_GPU, GPU_TE)
+    monkeypatch.setattr(nsa, "fla_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"16 query heads over 4 KV heads is 4 per KV head; fla-core's kernels need "
+                                          r"a power of 2 >= 16 \(e\.g\. --num-query-groups 1\)"):
+        check(NSA_GPU, GPU_TE)
+    check(NSA_GPU + ["--num-query-groups", "1"], GPU_TE)
+    with pytest.raises(ConfigError, match="--nsa-block-size 16 < 2 x --nsa-selected-blocks 16"):
+        check(NSA_GPU + ["--num-query-groups", "1", "--nsa-block-size", "16"], GPU_TE)

@@ -1,5 +1,6 @@
 """The efficiency suite (tools/efficiency_suite.py): end to end on CPU, resume, bad input, OOM, the metric formulas."""
 import json
+import math
 import shutil
 import sys
 
@@ -100,12 +101,20 @@ def test_unknown_variant_is_refused_before_any_work(tmp_path):
     proc = suite(tmp_path / "out", "--variants", "gqa,flash", "--model", "tiny")
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("efficiency_suite: error: unknown variant 'flash'; choose from: dense, mha, gqa, "
-                                   "mqa, mla, moe, nope, bf16, fp16, fp8 (or 'all')")
+                                   "mqa, mla, nsa, moe, moe-active, nope, bf16, fp16, fp8 (or 'all')")
     assert not (tmp_path / "out").exists()
 
 
-def test_fp8_on_cpu_is_refused_before_any_work(tmp_path):
-    proc = suite(tmp_path / "out", "--variants", "gqa,fp8", "--model", "tiny", "--mock-data", "--",
+def test_zero_repeats_is_refused_before_any_work(tmp_path):
+    proc = suite(tmp_path / "out", "--variants", "gqa", "--repeats", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("efficiency_suite: error: argument --repeats: a positive integer expected, got "
+                                   "'0' (see --help)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_suite_of_variants_none_of_which_can_run_is_refused_before_any_work(tmp_path):
+    proc = suite(tmp_path / "out", "--variants", "fp8", "--model", "tiny", "--mock-data", "--",
                  "--micro-batch-size", "2")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
@@ -114,21 +123,21 @@ def test_fp8_on_cpu_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_every_variant_the_layout_cannot_run_is_named():
-    """TP2 on the CPU: MQA (one KV head), MLA (TP without TE) and MoE (TP without SP) cannot run; FP8 needs a GPU."""
+def test_every_variant_the_layout_cannot_run_says_why_and_the_others_are_planned():
+    """TP2 on the CPU: MQA and NSA (one KV head), MLA (TP without TE) and the MoEs (TP without SP) cannot run; FP8
+    needs a GPU. The others are planned."""
     from litespark_megatron import efficiency, platform
-    from litespark_megatron.arguments import UserError
 
     settings = efficiency.parse_settings(["--out", "unused", "--model", "tiny", "--variants", "all", "--nproc", "2",
                                           "--", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                                           "--global-batch-size", "4", "--mock-data"])
-    with pytest.raises(UserError) as e:
-        efficiency.plan(settings, platform.detect())
-    lines = str(e.value).splitlines()
-    assert [l.split("'")[1] for l in lines] == ["mqa", "mla", "moe", "fp8"]
-    assert "--num-query-groups (KV heads) 1 is not divisible by --tensor-model-parallel-size 2" in lines[0]
-    assert "--multi-latent-attention with --tensor-model-parallel-size > 1 needs" in lines[1]
-    assert "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel" in lines[2]
+    planned = efficiency.plan(settings, platform.detect())
+    why = {name: entry["cannot_run"] for name, entry in planned.items() if entry.get("cannot_run")}
+    assert list(why) == ["mqa", "mla", "nsa", "moe", "moe-active", "fp8"]
+    assert "--num-query-groups (KV heads) 1 is not divisible by --tensor-model-parallel-size 2" in why["mqa"]
+    assert "--multi-latent-attention with --tensor-model-parallel-size > 1 needs" in why["mla"]
+    assert "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel" in why["moe"]
+    assert [n for n in planned if n not in why] == ["dense", "mha", "gqa", "nope", "bf16", "fp16"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -302,3 +311,109 @@ def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_its_data
     assert 128 < vocab <= 300
     assert rows["mqa"]["status"] == "not run"
     assert rows["mqa"]["params"] == preset_count - per_row * (4096 - 384)  # its vocabulary padded to 3 x 128
+
+
+# --------------------------------------------------------------------------------------------- repeats, findings
+def test_interval_and_verdicts_on_known_numbers():
+    from litespark_megatron.findings import AGREE, DISAGREE, INCONCLUSIVE, NOT_MEASURED, interval, lower, lowest
+
+    three = interval([1.0, 2.0, 3.0])
+    assert (three.n, three.mean, three.min, three.max) == (3, 2.0, 1.0, 3.0)
+    assert three.half_width == pytest.approx(4.303 * 1.0 / 3 ** 0.5)  # t(0.975, 2 dof) x sd / sqrt(n)
+    one = interval([5.0])
+    assert one.half_width is None and one.low is None
+    assert interval([None, float("nan")]) is None
+    low, high, wide = interval([1.0, 1.1, 0.9]), interval([2.0, 2.1, 1.9]), interval([0.0, 3.0, 1.5])
+    assert lower(low, high) == AGREE and lower(high, low) == DISAGREE and lower(low, wide) == INCONCLUSIVE
+    assert lower(one, high) == INCONCLUSIVE and lower(None, high) == NOT_MEASURED
+    assert lowest(low, [high, interval([3.0, 3.1, 2.9])]) == AGREE
+    assert lowest(high, [low, wide]) == DISAGREE
+    assert lowest(low, [high, wide]) == INCONCLUSIVE
+
+
+def metrics_of(al, amu, jpt, ppl):
+    """A fake run's metrics.jsonl records: two 10-step intervals of `al` s/step (the first left out)."""
+    def train(step):
+        return dict(step=step, kind="train", step_time_s=al, tokens_per_sec=4096 / al, mfu=0.3, mfu_causal=0.27,
+                    mem_reserved_gb=amu, mem_max_allocated_gb=amu - 1, gpu_power_w=jpt * 4096 / al,
+                    joules_per_token=jpt, num_gpus=1)
+    return [dict(step=0, kind="run", params=1_000_000, world_size=1), train(10), train(20),
+            dict(step=20, kind="run", iterations=20, val_loss=math.log(ppl), val_ppl=ppl, final_loss=2.0)]
+
+
+# (AL s/it, AMU GB, J/token, PPL) of each variant's three repeats
+FAKE = {"gqa": [(1.00, 10.2, 0.30, 50.0), (1.01, 10.7, 0.31, 51.0), (0.99, 9.7, 0.29, 49.0)],
+        "mqa": [(1.10, 10.0, 0.30, 55.0), (1.11, 10.5, 0.31, 56.0), (1.09, 9.5, 0.29, 54.0)],
+        "fp16": [(1.20, 10.2, 0.20, 52.0), (1.21, 10.7, 0.21, 53.0), (1.19, 9.7, 0.19, 51.0)]}
+
+
+def test_repeats_give_each_number_its_spread_and_the_findings_their_verdicts(tmp_path, monkeypatch):
+    """Three repeats of gqa, mqa, bf16 and fp16 with made-up measurements (bf16 is the same run as gqa here, the
+    tiny preset being GQA in bf16). Repeat K trains with --seed 1234 + K - 1 on the data of --data-seed 1234. The
+    table gives means with their 95% interval, findings.md reads "agree" for BF16's lower latency (1.00 vs 1.20),
+    "disagree" for its energy (0.30 vs 0.20 J/token) and "inconclusive" for MQA's memory (the intervals overlap)."""
+    from litespark_megatron import efficiency
+
+    flags_of = {}
+
+    def fake_run(settings, run_id, flags, log=print):
+        flags_of[run_id] = flags
+        name, _, repeat = run_id.partition(".r")
+        run_dir = settings.out / "runs" / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        records = metrics_of(*FAKE[name][int(repeat or 1) - 1])
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        return dict(flags=flags, returncode=0, seconds=1.0, status="done")
+
+    monkeypatch.setattr(efficiency, "run_variant", fake_run)
+    settings = efficiency.parse_settings(["--out", str(tmp_path / "out"), "--model", "tiny", "--variants",
+                                          "gqa,mqa,bf16,fp16", "--mock-data", "--train-iters", "20",
+                                          "--log-interval", "10", "--repeats", "3", "--", "--micro-batch-size", "2"])
+    assert efficiency.run_suite(settings, log=lambda *a: None) == 0
+    assert sorted(flags_of) == ["fp16", "fp16.r2", "fp16.r3", "gqa", "gqa.r2", "gqa.r3", "mqa", "mqa.r2", "mqa.r3"]
+    assert flags_of["gqa.r3"][-4:] == ["--seed", "1236", "--data-seed", "1234"] and "--data-seed" not in flags_of["gqa"]
+    state = json.loads((tmp_path / "out" / "suite_state.json").read_text())["variants"]
+    assert state["bf16.r2"]["same_as"] == "gqa.r2"
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "out" / "efficiency.json").read_text())["variants"]}
+    al = rows["fp16"]["spread"]["al_s"]
+    assert al["n"] == 3 and al["mean"] == pytest.approx(1.20) and al["min"] == 1.19 and al["max"] == 1.21
+    assert al["ci95_half_width"] == pytest.approx(4.303 * 0.01 / 3 ** 0.5)
+    assert rows["bf16"]["al_s"] == rows["gqa"]["al_s"] == pytest.approx(1.0) and rows["bf16"]["repeats_done"] == 3
+    table = (tmp_path / "out" / "efficiency.md").read_text()
+    assert "| 1.2000 ±2.1% |" in table  # fp16's AL: 0.0248 / 1.20
+    assert "Spread of tokens/s between repeats, (max - min) / mean: at most 2.00%" in table
+    found = {line.split(" | ")[0].lstrip("| "): line for line in
+             (tmp_path / "out" / "findings.md").read_text().splitlines() if line.startswith("| ")}
+    assert found["BF16 has lower latency than FP16 on Hopper"].endswith("| ~6% lower | al_s | bf16 1.0000 s ± "
+                                                                        "0.0248 s (n=3); fp16 1.2000 s ± 0.0248 s "
+                                                                        "(n=3) | x0.833 (0.818-0.849) | **agree** |")
+    assert found["BF16 uses less energy per token than FP16 on Hopper"].endswith("| **disagree** |")
+    assert found["MQA uses the least memory of the attention variants"].endswith(
+        "| **inconclusive (without mha, mla, nsa: not in this suite)** |")
+    assert found["MQA has the lowest latency of the attention variants"].endswith(
+        "| **disagree (without mha, mla, nsa: not in this suite)** |")
+    assert not any("MoE" in claim for claim in found)  # no MoE variant in this suite
+
+
+def test_one_repeat_leaves_every_verdict_inconclusive_and_a_cannot_run_row_says_why(tmp_path, monkeypatch):
+    from litespark_megatron import efficiency
+
+    def fake_run(settings, run_id, flags, log=print):
+        run_dir = settings.out / "runs" / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in metrics_of(*FAKE[run_id][0])))
+        return dict(flags=flags, returncode=0, seconds=1.0, status="done")
+
+    monkeypatch.setattr(efficiency, "run_variant", fake_run)
+    settings = efficiency.parse_settings(["--out", str(tmp_path / "out"), "--model", "tiny", "--variants",
+                                          "gqa,mqa,fp16,fp8", "--mock-data", "--train-iters", "20", "--log-interval",
+                                          "10", "--", "--micro-batch-size", "2"])
+    assert efficiency.run_suite(settings, log=lambda *a: None) == 1  # fp8 has no result
+    table = (tmp_path / "out" / "efficiency.md").read_text()
+    fp8 = next(l for l in table.splitlines() if l.startswith("| fp8 |"))
+    assert fp8.endswith("| cannot run here: --fp8-format needs a GPU with FP8 tensor cores (compute capability >= "
+                        "8.9, e.g. H100/H200) and Transformer Engine; use --bf16 |"), fp8
+    verdicts = [line.rsplit("| **", 1)[1] for line in (tmp_path / "out" / "findings.md").read_text().splitlines()
+                if line.startswith("| ") and "| **" in line]
+    # MQA's memory and latency against gqa; no bf16 variant ran, so BF16's findings are left out.
+    assert verdicts == ["inconclusive (without mha, mla, nsa: not in this suite)** |"] * 2, verdicts

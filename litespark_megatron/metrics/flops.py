@@ -106,6 +106,25 @@ class MLAShape:
 
 
 @dataclass(frozen=True)
+class NSAShape:
+    """Native sparse attention (litespark --attention-variant nsa; layers/nsa.py): block size, selected blocks,
+    sliding window."""
+
+    block_size: int = 64
+    selected_blocks: int = 16
+    window: int = 512
+
+    def attended_pairs(self, s: int) -> int:
+        """(query, key) pairs a sequence of s tokens attends, summed over its queries: each query's visible
+        compressed blocks (complete ones), the tokens up to it of its selected blocks (its own block and
+        min(selected, own + 1) - 1 complete ones) and its window. Both conventions count these: there is no dense
+        s x s product to halve."""
+        bs = self.block_size
+        return sum((t + 1) // bs + (min(self.selected_blocks, t // bs + 1) - 1) * bs + t % bs + 1
+                   + min(self.window, t + 1) for t in range(s))
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The dimensions that decide FLOPs and parameter counts.
 
@@ -127,6 +146,7 @@ class ModelShape:
     untie_embeddings_and_output_weights: bool = True
     moe: Optional[MoEShape] = None
     mla: Optional[MLAShape] = None
+    nsa: Optional[NSAShape] = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -204,13 +224,16 @@ class ModelShape:
                 # q_lora_rank=None is meaningful (no query compression); elsewhere None means "not set".
                 kwargs[f.name] = value if (value is not None or f.name == "q_lora_rank") else f.default
             mla = MLAShape(**kwargs)
+        nsa = None
+        if getattr(args, "attention_variant", "dense") == "nsa":
+            nsa = NSAShape(args.nsa_block_size, args.nsa_selected_blocks, args.nsa_window)
         return cls(
             num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
             num_attention_heads=heads, num_query_groups=groups, vocab_size=padded_vocab,
             seq_length=args.seq_length, kv_channels=getattr(args, "kv_channels", None),
             gated_linear_unit=bool(getattr(args, "swiglu", True)),
             untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-            moe=moe, mla=mla)
+            moe=moe, mla=mla, nsa=nsa)
 
 
 @dataclass(frozen=True)
@@ -266,8 +289,12 @@ def _layer_forward_per_sequence(shape: ModelShape, index: int, causal: str) -> F
         qkv_weights = q_weights + kv_weights
         out_in = n * m.v_head_dim
         qk_dim, v_dim = q_head, m.v_head_dim
+    if shape.nsa is not None:
+        qkv_weights += h * 3 * n  # the gates of the three branches, one per query head each
     # Q K^T: s queries x s keys x qk_dim per head; P V: s x s x v_dim per head. "half" counts s*s/2 pairs.
     pairs_x2 = 2 * s * s if causal == "full" else s * s
+    if shape.nsa is not None:
+        pairs_x2 = 2 * shape.nsa.attended_pairs(s)
     parts = dict(qkv=2 * s * qkv_weights, proj=2 * s * out_in * h,
                  attn_scores=pairs_x2 * n * qk_dim, attn_values=pairs_x2 * n * v_dim)
     per_matrix = 2 * s * h  # one h x width GEMM per unit of width, per sequence
@@ -436,6 +463,8 @@ def param_count(shape: ModelShape) -> ParamCount:
         q = h * n * q_head if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank * n * q_head + m.q_lora_rank
         kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
         attn = q + kv + m.kv_lora_rank + n * m.v_head_dim * h  # + kv_layernorm weight, + output projection
+    if shape.nsa is not None:
+        attn += h * 3 * n  # the branch gates
     norms = 2 * h  # input_layernorm and pre_mlp_layernorm
     total_layers = active_layers = 0
     for i in range(shape.num_layers):
