@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
 import math
@@ -141,6 +142,13 @@ def parse_variant_names(text: str) -> List[str]:
 
 
 # --------------------------------------------------------------------------------------------- settings
+REPEAT_MARK = ".r"  # repeat K of variant NAME is the run NAME.rK
+
+
+def variant_of(run_id: str) -> str:
+    return run_id.split(REPEAT_MARK)[0]
+
+
 @dataclass
 class Settings:
     out: Path
@@ -163,8 +171,8 @@ class Settings:
 
     def run_ids(self, name: str) -> List[str]:
         """The runs of one variant: its name for the first repeat (so a suite of one repeat is what it always
-        was), NAME.rK for repeat K."""
-        return [name] + [f"{name}.r{k}" for k in range(2, self.repeats + 1)]
+        was), NAME.rK for repeat K (variant_of reads it back)."""
+        return [name] + [f"{name}{REPEAT_MARK}{k}" for k in range(2, self.repeats + 1)]
 
     def identity(self) -> dict:
         """What makes two invocations the same suite (the variant list may grow between them)."""
@@ -264,6 +272,7 @@ def plan(settings: Settings, plat) -> Dict[str, dict]:
     arguments.check_run(base, plat, settings.nproc)
     te = base.transformer_impl == "transformer_engine"
     planned, problems = {}, []
+    base_vocab = functools.lru_cache(maxsize=None)(lambda: arguments.model_vocab_size(base))
     for name in settings.variants:
         variant = VARIANTS[name]
         flags = []
@@ -278,8 +287,7 @@ def plan(settings: Settings, plat) -> Dict[str, dict]:
                 args = arguments.resolve_quietly(flags, plat) if flags else None
             except UserError:
                 args = None
-            planned[name] = dict(flags=flags, key=None, args=args, cannot_run=str(e),
-                                 vocab=arguments.model_vocab_size(base))
+            planned[name] = dict(flags=flags, key=None, args=args, cannot_run=str(e), vocab=base_vocab())
             continue
         resolved = dict(sorted(vars(args).items()))
         key = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -455,6 +463,8 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     out = dict(
         params=params,
         world_size=world,
+        flops_per_token=(start["flops_per_step_full"] / start["tokens_per_step"]
+                         if start.get("flops_per_step_full") and start.get("tokens_per_step") else None),
         intervals_used=len(used),
         intervals_total=len(intervals),
         steps_measured=steps,
@@ -509,8 +519,8 @@ SPREAD_KEYS = ("val_ppl", "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causa
 CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_active", "repeats_done", "val_ppl",
               "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w",
               "aec_w_per_gpu", "j_per_token", "val_ppl_ci95", "amu_gb_ci95", "pcu_ci95", "al_s_ci95",
-              "tokens_per_sec_ci95", "j_per_token_ci95", "tokens_per_sec_range", "energy_kwh", "host_rss_gb",
-              "intervals_used", "steps_measured", "attention", "degraded", "error", "flags")
+              "tokens_per_sec_ci95", "j_per_token_ci95", "tokens_per_sec_range", "flops_per_token", "energy_kwh",
+              "host_rss_gb", "intervals_used", "steps_measured", "attention", "degraded", "error", "flags")
 
 
 def _run_summary(settings: Settings, run_id: str, counts: dict) -> Optional[dict]:
@@ -546,7 +556,7 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
                 recorded = state["variants"].get(run_id, {})
                 source = recorded.get("same_as") or run_id
                 if recorded.get("same_as"):
-                    row["same_run_as"] = source.split(".r")[0]
+                    row["same_run_as"] = variant_of(source)
                 source_entry = state["variants"].get(source, {})
                 statuses.append(source_entry.get("status", "not run"))
                 summary = _run_summary(settings, source, counts) if statuses[-1] == "done" else None
@@ -787,8 +797,7 @@ def run_suite(settings: Settings, log=print) -> int:
 
     def kept(run_id: str, entry: dict) -> bool:
         """A recorded outcome a resumed suite keeps: done with its complete metrics, or out of memory."""
-        name = run_id.split(".r")[0]
-        if entry.get("same_as") or name in settings.rerun or entry.get("status") not in FINAL:
+        if entry.get("same_as") or variant_of(run_id) in settings.rerun or entry.get("status") not in FINAL:
             return False
         return entry["status"] == "oom" or _completed(settings.out / "runs" / run_id / "metrics.jsonl")
 
@@ -803,6 +812,8 @@ def run_suite(settings: Settings, log=print) -> int:
             if planned[name].get("cannot_run"):
                 continue
             run_id = settings.run_ids(name)[repeat - 1]
+            if any(state["variants"].get(r, {}).get("status") == "oom" for r in settings.run_ids(name)[:repeat - 1]):
+                continue  # another seed would run out of memory as well
             key = planned[name]["key"] + ("" if repeat == 1 else f"/r{repeat}")
             flags = run_flags(settings, planned[name], repeat)
             entry = state["variants"].get(run_id, {})

@@ -12,6 +12,9 @@ Spread: a variant's repeats (different seeds, same data) give a mean and a 95% c
 
 The verdict is about the direction the paper states. Where the paper gives a size ("~40% more memory"), our ratio
 is printed beside it to read, not judged: the paper's model sizes, data and step counts differ from the suite's.
+The paper's "MoE needs fewer FLOPs per token" compares with a dense model of the MoE's total size, which the suite
+does not train; FLOPs per token are arithmetic here (`flops_per_token` in efficiency.json: `moe-active` costs the
+dense model's plus its router).
 """
 from __future__ import annotations
 
@@ -89,9 +92,6 @@ def lowest(subject: Optional[Spread], others: Sequence[Optional[Spread]]) -> str
 
 
 # --------------------------------------------------------------------------------------------- the findings
-ATTENTION = ("mqa", "gqa", "mha", "mla", "nsa")
-
-
 @dataclass(frozen=True)
 class Finding:
     claim: str              # the paper's finding, in words
@@ -100,7 +100,7 @@ class Finding:
     subject: str            # the variant the claim is about
     others: tuple           # lowest: the variants it must be lower than; lower: the one variant
     kind: str = "lowest"    # "lowest" or "lower"
-    ratio_to: Optional[str] = None  # print subject/ratio_to beside the paper's number
+    ratio: Optional[tuple] = None  # (numerator, denominator) variants: the measured ratio the paper's size is about
 
     def verdict(self, spreads: Dict[str, Dict[str, Optional[Spread]]]) -> str:
         subject = spreads.get(self.subject, {}).get(self.metric)
@@ -120,30 +120,24 @@ FINDINGS = (
     Finding("NSA uses the least energy per token of the attention variants", "lowest of MQA/GQA/MLA/NSA",
             "j_per_token", "nsa", ("mqa", "gqa", "mha", "mla")),
     Finding("MoE at matched active parameters needs more memory than the dense model", "~40% more (x1.4)",
-            "amu_gb", "dense", ("moe-active",), kind="lower", ratio_to="dense"),
+            "amu_gb", "dense", ("moe-active",), kind="lower", ratio=("moe-active", "dense")),
     Finding("MoE at matched active parameters reaches a lower perplexity than the dense model", "lower",
-            "val_ppl", "moe-active", ("dense",), kind="lower", ratio_to="dense"),
+            "val_ppl", "moe-active", ("dense",), kind="lower", ratio=("moe-active", "dense")),
     Finding("MoE with 8 experts of the dense FFN size (top-2) needs more memory than the dense model",
             "~40% more at matched active parameters (this MoE has 2x the active FFN)", "amu_gb", "dense", ("moe",),
-            kind="lower", ratio_to="dense"),
+            kind="lower", ratio=("moe", "dense")),
     Finding("BF16 has lower latency than FP16 on Hopper", "~6% lower", "al_s", "bf16", ("fp16",), kind="lower",
-            ratio_to="fp16"),
+            ratio=("bf16", "fp16")),
     Finding("BF16 uses less energy per token than FP16 on Hopper", "~9% less", "j_per_token", "bf16", ("fp16",),
-            kind="lower", ratio_to="fp16"),
+            kind="lower", ratio=("bf16", "fp16")),
 )
 
 
 def _ratio_text(finding: Finding, spreads) -> str:
-    """The measured ratio the paper's number is about: the claim's variant over its reference, with the range
-    the repeats allow (min/max and max/min)."""
-    if finding.ratio_to is None:
+    """The measured ratio the paper's size is about, with the range the repeats allow (min/max to max/min)."""
+    if finding.ratio is None:
         return ""
-    target = finding.others[0] if finding.ratio_to == finding.subject else finding.subject
-    if finding.ratio_to == finding.subject:  # "dense lower than moe": the paper's ratio is moe / dense
-        num, den = spreads.get(target, {}).get(finding.metric), spreads.get(finding.subject, {}).get(finding.metric)
-    else:
-        num, den = spreads.get(finding.subject, {}).get(finding.metric), \
-            spreads.get(finding.ratio_to, {}).get(finding.metric)
+    num, den = (spreads.get(name, {}).get(finding.metric) for name in finding.ratio)
     if num is None or den is None or not den.mean:
         return ""
     text = f"x{num.mean / den.mean:.3f}"

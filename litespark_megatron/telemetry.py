@@ -233,7 +233,7 @@ class Telemetry:
             dist.all_gather(every, torch.tensor([mine / steps], dtype=torch.float64, device=every[0].device))
         else:
             every[0][0] = mine / steps
-        per_rank = [t.item() for t in every]
+        per_rank = torch.cat(every).tolist()  # one copy to the host
         slowest = max(range(self.world), key=per_rank.__getitem__)
         return dict(forward_s_max=per_rank[slowest], forward_s_min=min(per_rank), slowest_rank=slowest)
 

@@ -204,10 +204,17 @@ def test_an_oom_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert ran == ["mqa", "gqa"]
     table = (tmp_path / "out" / "efficiency.md").read_text()
     assert "| mqa |" in table and "| OOM | OOM |" in table and "oom: [rank0]: torch.OutOfMemoryError" in table
-    # A second invocation keeps the OOM outcome (it would only run out of memory again) and the finished run.
+    # A second invocation keeps the OOM outcome (it would only run out of memory again) and the finished run;
+    # asked for a second repeat, it runs gqa's and not mqa's (another seed runs out of memory as well).
     ran.clear()
     assert efficiency.run_suite(settings, log=lambda *a: None) == 1
     assert ran == []
+    settings.repeats = 2
+    assert efficiency.run_suite(settings, log=lambda *a: None) == 1
+    assert ran == ["gqa.r2"]
+    table = (tmp_path / "out" / "efficiency.md").read_text()
+    assert next(l for l in table.splitlines() if l.startswith("| mqa |")).split(" | ").count("OOM") == \
+        len(efficiency.METRICS)
 
 
 # --------------------------------------------------------------------------------------------- formulas
