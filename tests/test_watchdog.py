@@ -4,8 +4,6 @@ one line naming the rank and the step, and the stacks that show where it is stuc
 import sys
 import time
 
-import pytest
-
 from conftest import ROOT, child_env, free_port, run, train
 
 from litespark_megatron.watchdog import SPIKE_MIN_HISTORY, SPIKE_WINDOW, WARM_UP_STEPS, LossSpikeGuard, StepWatchdog
@@ -63,28 +61,20 @@ def test_a_loss_spike_is_the_factor_times_the_median_of_recent_losses(capsys):
     assert "loss spike at step 200: 301 is 3.0 x the median 100 of the last 100 steps" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("action", ["stop", "warn"])
-def test_a_loss_spike_warns_or_stops_before_the_step_is_saved_on_every_pipeline_stage(tmp_path, action):
-    """Step 7's loss is 100x (the test-only fault LITESPARK_TEST_SPIKE_AT_STEP) in a PP2 run. Rank 0, the first
-    stage, has no loss of its own: it prints the line, so the last stage's loss reached it. 'stop': exit 1 with one
-    line, the checkpoint of step 6 is the latest (the save of step 7, due by --save-interval, never happens).
-    'warn': one warning line, the run goes on to step 8 and exits 0."""
+def test_a_loss_spike_stops_the_run_before_the_step_is_saved_on_every_pipeline_stage(tmp_path):
+    """Step 7's loss is 100x (the test-only fault LITESPARK_TEST_SPIKE_AT_STEP) in a PP2 run with
+    --loss-spike-action stop. Rank 0, the first stage, has no loss of its own: it prints the line, so the last
+    stage's loss reached it. Exit 1 with one line; the checkpoint of step 6 is the latest (the save of step 7, due by
+    --save-interval, never happens). The warning of the default action: the test above."""
     save = tmp_path / "run"
     proc = train(2, *MOCK, "--pipeline-model-parallel-size", "2", "--train-iters", "8", "--save", save,
-                 "--save-interval", "1", "--loss-spike-factor", "5", "--loss-spike-action", action,
+                 "--save-interval", "1", "--loss-spike-factor", "5", "--loss-spike-action", "stop",
                  env=child_env(MASTER_PORT=free_port(), LITESPARK_TEST_SPIKE_AT_STEP=7))
-    out = proc.stdout + proc.stderr
-    if action == "stop":
-        assert proc.returncode == 1, out[-3000:]
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]
-        assert len(errors) == 1, errors
-        assert errors[0].startswith("litespark-train: error: loss spike at step 7: "), errors
-        assert "x the median" in errors[0] and "of the last 6 steps (--loss-spike-factor 5): stopping before the step" \
-            " is saved; resume from the last checkpoint with --iterations-to-skip 7" in errors[0], errors
-        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-        assert not (save / "iter_0000007").exists()
-    else:
-        assert proc.returncode == 0, out[-3000:]
-        warnings = [line for line in proc.stdout.splitlines() if "loss spike" in line]
-        assert len(warnings) == 1 and warnings[0].startswith("WARNING: loss spike at step 7: "), warnings
-        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("litespark-train: error: loss spike at step 7: "), errors
+    assert "x the median" in errors[0] and "of the last 6 steps (--loss-spike-factor 5): stopping before the step " \
+        "is saved; resume from the last checkpoint with --iterations-to-skip 7" in errors[0], errors
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert not (save / "iter_0000007").exists()
