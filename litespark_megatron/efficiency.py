@@ -1,7 +1,8 @@
 """EfficientLLM-style efficiency suite: architecture and precision variants of one base model, each trained for the
 same steps on the same data by `litespark-train`, and their AMU, PCU, AL, TT, AEC, J/token and perplexity.
 
-    python tools/efficiency_suite.py --out runs/eff --model eff-0.5b --variants all --repeats 3 -- --micro-batch-size 16 ...
+    python tools/efficiency_suite.py --out runs/eff --model eff-0.5b --variants all --repeats 3 -- \
+        --micro-batch-size 16 ...
 
 Every variant runs in a fresh `python -m litespark_megatron` (torchrun with --nproc > 1) that writes its own
 metrics.jsonl: the trainer's telemetry is the measurement, and this module only aggregates what it logged
@@ -647,8 +648,8 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
 
 
 def write_json_csv(rows: List[dict], settings: Settings, device: str) -> None:
-    doc = dict(settings=settings.identity() | dict(variants=settings.variants, warmup_intervals=settings.warmup_intervals,
-                                                   repeats=settings.repeats),
+    doc = dict(settings=settings.identity() | dict(variants=settings.variants, repeats=settings.repeats,
+                                                   warmup_intervals=settings.warmup_intervals),
                device=device, definitions_doc="docs/metrics.md#efficientllm-metrics",
                variants=[dict(r, spread={k: v.as_dict() for k, v in r["spread"].items() if v is not None})
                          for r in rows])

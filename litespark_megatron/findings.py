@@ -177,7 +177,8 @@ def evaluate(spreads: Dict[str, Dict[str, Optional[Spread]]]) -> List[dict]:
 
 
 def markdown(rows: List[dict], header: str) -> str:
-    lines = [header, "", "| EfficientLLM finding | paper | metric | ours (mean ± 95% interval, repeats) | ratio | verdict |",
+    lines = [header, "",
+             "| EfficientLLM finding | paper | metric | ours (mean ± 95% interval, repeats) | ratio | verdict |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['claim']} | {r['paper']} | {r['metric']} | {r['ours']} | {r['ratio'] or '-'} | "

@@ -33,8 +33,8 @@ BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_gr
 SPIKY_LOSS_FACTOR = 10  # a loss 10x the largest seen so far is spiky (pretrain_gpt.py's definition)
 # Tests inject a NaN loss, or a loss 100x too large, at a chosen step (1-based) to prove that the run's checks catch
 # it; unset in real runs.
-_NAN_AT = int(os.environ["LITESPARK_TEST_NAN_AT_STEP"]) if os.environ.get("LITESPARK_TEST_NAN_AT_STEP") else None
-_SPIKE_AT = int(os.environ["LITESPARK_TEST_SPIKE_AT_STEP"]) if os.environ.get("LITESPARK_TEST_SPIKE_AT_STEP") else None
+_NAN_AT, _SPIKE_AT = (int(os.environ[name]) if os.environ.get(name) else None
+                      for name in ("LITESPARK_TEST_NAN_AT_STEP", "LITESPARK_TEST_SPIKE_AT_STEP"))
 
 
 # --------------------------------------------------------------------------------------------- the step
@@ -156,7 +156,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed if args.data_seed is None else args.data_seed, sequence_length=args.seq_length,
-        blend=blend, blend_per_split=blend_per_split, split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        blend=blend, blend_per_split=blend_per_split, split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
