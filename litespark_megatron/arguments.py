@@ -387,11 +387,10 @@ def check(args, plat, world: Optional[int] = None) -> None:
     if not args.mock_data and not args.data_path and not args.train_data_path:
         raise ConfigError("no data: give --data-path (an indexed dataset; tools/preprocess_data.py makes one), "
                           "--embedded-corpus stdlib, or --mock-data")
+    default_tokenizer(args)
     if args.tokenizer_type is None:
-        if not args.mock_data:
-            raise ConfigError("no --tokenizer-type: the data's tokenizer, e.g. HuggingFaceTokenizer --tokenizer-model "
-                              "DIR, or NullTokenizer --vocab-size N for pre-tokenized data")
-        args.tokenizer_type = "NullTokenizer"  # mock data: token ids only (Megatron-LM's example does the same)
+        raise ConfigError("no --tokenizer-type: the data's tokenizer, e.g. HuggingFaceTokenizer --tokenizer-model "
+                          "DIR, or NullTokenizer --vocab-size N for pre-tokenized data")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size (the model's vocabulary)")
     _check_run_control(args)
@@ -546,6 +545,12 @@ def model_config_check(args) -> None:
         core_transformer_config_from_args(args)
     except (AssertionError, ValueError) as e:
         raise ConfigError(f"the model cannot be built: {str(e).strip().splitlines()[0]}") from None
+
+
+def default_tokenizer(args) -> None:
+    """Mock data without a --tokenizer-type: token ids only, NullTokenizer (Megatron-LM's example does the same)."""
+    if args.tokenizer_type is None and args.mock_data:
+        args.tokenizer_type = "NullTokenizer"
 
 
 def check_run(args, plat, world: int) -> None:

@@ -17,7 +17,9 @@ time, with a CUDA synchronize after every step), and reports:
 * MFU against the dense BF16 peak of the GPU (`metrics.peaks.detect_peak`, or `--peak-tflops`), also for FP8;
 * peak allocated GPU memory (`torch.cuda.max_memory_allocated`, the whole worker);
 * mean GPU power and J/token from NVML's total-energy counter over the timed steps only (`EnergyMeter`);
-* the tokens/s and J/token ratios to the HF eager baseline.
+* the tokens/s and J/token ratios to the HF eager baseline, and to the best stock row of the same precision: the
+  fastest stock Megatron-Core row that did not fall back, a `--variant` of stock-te included (CUDA graphs, FP8
+  attention, ...), so that Litespark is compared with the best stock configuration measured, not the default.
 
 Systems (`--systems`, comma list):
 
@@ -328,6 +330,48 @@ def derive(raw: dict, flops: Dict[str, int], peak_tflops: Optional[float]) -> di
     return out
 
 
+def spec_of(system: System) -> Optional[str]:
+    """The layer spec a megatron system trains (its last --spec: a variant's own wins), None for HF."""
+    specs = [system.flags[i + 1] for i, f in enumerate(system.flags[:-1]) if f == "--spec"]
+    return specs[-1] if specs else None
+
+
+def precision_class(precision: str) -> str:
+    """'fp8 hybrid, delayed scaling + bf16, ...' -> 'fp8'; 'bf16, fp32 main params' -> 'bf16'."""
+    return precision.split()[0].rstrip(",")
+
+
+def best_stock_rows(rows: Dict[str, dict]) -> Dict[str, Optional[str]]:
+    """Per precision that a stock Megatron-Core row ran in: the fastest stock row (any --variant of stock-te
+    included) that did not fall back; None where every stock row of that precision fell back (no fair baseline).
+    Litespark is compared with this row, not with the default stock row."""
+    best: Dict[str, Optional[str]] = {}
+    for name, r in rows.items():
+        if r["status"] != "ok" or not (r.get("spec") or "").startswith("stock"):
+            continue
+        cls = precision_class(r["precision"])
+        best.setdefault(cls, None)
+        fell_back = bool(r.get("health") and r["health"].get("degraded"))
+        if not fell_back and (best[cls] is None or r["tokens_per_sec"] > rows[best[cls]]["tokens_per_sec"]):
+            best[cls] = name
+    return best
+
+
+def ratios_vs_best_stock(rows: Dict[str, dict]) -> Dict[str, dict]:
+    """Per megatron row (Litespark and stock) whose precision has a fair best stock row: tokens/s and J/token
+    divided by that row's, and its name."""
+    best = best_stock_rows(rows)
+    out = {}
+    for name, r in rows.items():
+        against = best.get(precision_class(r["precision"])) if r["status"] == "ok" and r.get("spec") else None
+        if against:
+            b = rows[against]
+            out[name] = dict(against=against, tokens_per_sec=r["tokens_per_sec"] / b["tokens_per_sec"],
+                             joules_per_token=r["joules_per_token"] / b["joules_per_token"]
+                             if r.get("joules_per_token") is not None and b.get("joules_per_token") else None)
+    return out
+
+
 def ratios_vs_baseline(rows: Dict[str, dict], baseline: str = BASELINE) -> Dict[str, dict]:
     """Per system: its tokens/s and J/token divided by the baseline's (None where either side is missing)."""
     base = rows.get(baseline) or {}
@@ -567,7 +611,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         name, c = row["system"], row["chosen"]
         system = systems[name]
         entry = dict(system=name, kind=system.kind, description=system.description, flags=list(system.flags),
-                     status=c["status"], reason=c.get("reason"), micro_batch_size=c["micro_batch_size"],
+                     spec=spec_of(system), status=c["status"], reason=c.get("reason"), micro_batch_size=c["micro_batch_size"],
                      global_batch_size=gbs, accumulation_steps=gbs // c["micro_batch_size"],
                      vocab_rows=system_vocab(args, system),
                      tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]])
@@ -580,6 +624,8 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         results[name] = entry
     for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
         results[name]["vs_" + BASELINE.replace("-", "_")] = ratio
+    for name, ratio in ratios_vs_best_stock(results).items():
+        results[name]["vs_best_stock"] = ratio
     vocab_note = None
     padded = padded_vocab(args)
     if args.vocab_size != padded:
@@ -598,7 +644,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
                       num_query_groups=args.num_query_groups, vocab_size=args.vocab_size,
                       rotary_base=args.rotary_base,
                       untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights),
-        flops_per_step=flops, vocab_note=vocab_note, baseline=BASELINE,
+        flops_per_step=flops, vocab_note=vocab_note, baseline=BASELINE, best_stock=best_stock_rows(results),
         pending=[n for n in systems if n not in results], systems=list(results.values()))
 
 
@@ -625,6 +671,13 @@ def _tflops(v: float) -> str:
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _vs_best_stock(row: dict) -> str:
+    vs = row.get("vs_best_stock")
+    if not vs:
+        return "n/a"
+    return "best stock" if vs["against"] == row["system"] else f"{vs['tokens_per_sec']:.2f}x ({vs['against']})"
 
 
 def render_markdown(report: dict) -> str:
@@ -672,15 +725,21 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- **WARNING** (measured with --allow-degraded): {report['environment_warning']}")
     if report["vocab_note"]:
         lines.append(f"- {report['vocab_note']}")
+    best = report.get("best_stock") or {}
+    if best:
+        lines.append("- best stock row (fastest stock Megatron-Core row of each precision that did not fall back; "
+                     "'vs best stock' divides by it): " +
+                     "; ".join(f"{cls}: {name or 'none (every stock row fell back: no fair ratio)'}"
+                               for cls, name in best.items()))
     lines += ["", "| system | precision | attention | fused: cross-entropy / RoPE / wgrad-acc. | micro-batch x accum. "
-                  "| tokens/s | vs HF eager | TFLOP/s/GPU full / causal | MFU full / causal | peak mem GiB | W | J/token "
-                  "| J/token vs HF eager | loss first -> last |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| tokens/s | vs HF eager | vs best stock | TFLOP/s/GPU full / causal | MFU full / causal "
+                  "| peak mem GiB | W | J/token | J/token vs HF eager | loss first -> last |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio_key = "vs_" + BASELINE.replace("-", "_")
     for r in report["systems"]:
         if r["status"] != "ok":
             reason = str(r["reason"]).replace("|", "\\|")  # a pipe in an error message would split the cell
-            lines.append(f"| {r['system']} | {r['status']}: {reason} |" + " |" * 12)
+            lines.append(f"| {r['system']} | {r['status']}: {reason} |" + " |" * 13)
             continue
         ratio = r.get(ratio_key) or {}
         attention, fused, flag = _health_cells(r.get("health"))
@@ -688,7 +747,7 @@ def render_markdown(report: dict) -> str:
             f"| {r['system']}{flag} | {r['precision']} | {attention} | {fused} | "
             f"{r['micro_batch_size']} x {r['accumulation_steps']} | "
             f"{r['tokens_per_sec']:,.0f} | {_fmt(ratio.get('tokens_per_sec'), '.2f', 'x')} | "
-            f"{_tflops(r['tflops_per_gpu'])} / {_tflops(r['tflops_per_gpu_causal'])} | "
+            f"{_vs_best_stock(r)} | {_tflops(r['tflops_per_gpu'])} / {_tflops(r['tflops_per_gpu_causal'])} | "
             f"{_fmt(r['mfu'], '.1%')} / {_fmt(r['mfu_causal'], '.1%')} | {_fmt(r['peak_mem_gib'], '.1f')} | "
             f"{_fmt(r['gpu_power_w'], '.0f')} | {_fmt(r['joules_per_token'], '.4f')} | "
             f"{_fmt(ratio.get('joules_per_token'), '.2f', 'x')} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")

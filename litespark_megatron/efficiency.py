@@ -52,6 +52,7 @@ PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 OOM_PATTERNS = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
                           r"CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|CUDA error: out of memory")
 FINAL = ("done", "oom")  # outcomes a resumed suite keeps; anything else runs again
+CANNOT_RUN = "cannot run here"  # recorded for the report; a machine that can run the variant runs it
 
 
 # --------------------------------------------------------------------------------------------- variants
@@ -169,6 +170,7 @@ class Settings:
     shared: List[str]  # litespark-train flags after '--'
     allow_degraded: bool = False
     repeats: int = 1
+    report_only: bool = False
 
     def run_ids(self, name: str) -> List[str]:
         """The runs of one variant: its name for the first repeat (so a suite of one repeat is what it always
@@ -228,6 +230,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="runs of each variant, with seeds --seed, --seed + 1, ... and the same data (--data-seed "
                         "--seed): the table gives each number's mean and 95%% interval, findings.md the verdicts; "
                         "a suite may be continued with more repeats")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: write the table, findings, JSON/CSV, plots and tb/ again from the runs "
+                        "recorded in --out (same command as the suite's; --variants may differ, e.g. to reorder "
+                        "or leave out rows), on any machine")
     p.add_argument("--allow-degraded", action="store_true",
                    help="exit 0 even if a variant fell back (unfused attention, a fused path asked for but off); it "
                         "stays flagged DEGRADED in the table")
@@ -261,7 +267,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                     train_iters=ns.train_iters, log_interval=ns.log_interval, eval_iters=ns.eval_iters,
                     nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
                     timeout=ns.timeout, time_budget=ns.time_budget, rerun=rerun, variant_flags=variant_flags,
-                    shared=shared, allow_degraded=ns.allow_degraded, repeats=ns.repeats)
+                    shared=shared, allow_degraded=ns.allow_degraded, repeats=ns.repeats,
+                    report_only=ns.report_only)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -550,7 +557,7 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
         args = entry.get("args")
         counts = _params_of(args, entry.get("vocab")) if args is not None else dict(total=None, active=None)
         if entry.get("cannot_run"):
-            row.update(status="cannot run here", error=entry["cannot_run"])
+            row.update(status=CANNOT_RUN, error=entry["cannot_run"])
         else:
             summaries, statuses, errors = [], [], []
             for run_id in settings.run_ids(name):
@@ -623,14 +630,16 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
         lines.append("| " + " | ".join([r["variant"], params] + cells + [status.replace("|", "/")]) + " |")
     notes = []
     if settings.repeats > 1:
-        spreads = [(r["spread"]["tokens_per_sec"].relative_range, r["variant"]) for r in rows
-                   if r["repeats_done"] > 1 and r["spread"].get("tokens_per_sec")]
-        widest = max(spreads, default=None)
+        # Each measured configuration once (rows that share a run repeat its spread).
+        spreads = sorted({r["variant"] if not r.get("same_run_as") else r["same_run_as"]:
+                          r["spread"]["tokens_per_sec"].relative_range for r in rows
+                          if r["repeats_done"] > 1 and r["spread"].get("tokens_per_sec")}.items(),
+                         key=lambda item: -item[1])
         notes.append(f"{settings.repeats} repeats per variant (seeds --seed, --seed + 1, ...; the same data): each "
                      "number is the mean, ± the half-width of its 95% confidence interval (Student's t), relative; "
                      "min and max in efficiency.json." +
-                     (f" Spread of tokens/s between repeats, (max - min) / mean: at most {widest[0]:.2%} "
-                      f"({widest[1]})." if widest else ""))
+                     (" Spread of tokens/s between repeats, (max - min) / mean: " +
+                      ", ".join(f"{name} {spread:.1%}" for name, spread in spreads) + "." if spreads else ""))
     notes += [
         f"Base `{settings.model}`, {settings.train_iters} steps per variant, precision {settings.precision} unless "
         f"the variant is a precision, {settings.nproc} process(es) on {device}; shared flags: "
@@ -685,9 +694,17 @@ def write_plots(rows: List[dict], out: Path) -> List[Path]:
             twins = [t["variant"] for t in rows if t.get("same_run_as") == r["variant"]]
             done.append(dict(r, variant="=".join([r["variant"]] + twins)))
     written = []
+    repeated = any(v is not None and v.half_width is not None for r in done for v in r["spread"].values())
+
+    def error(r, key, scale=1.0):
+        """The 95% interval's half-width of a mean over repeats (0: one run, no interval)."""
+        spread = r["spread"].get(key)
+        return spread.half_width * scale if spread is not None and spread.half_width is not None else 0.0
 
     def finish(fig, ax, name, left_out, title):
         notes = []
+        if repeated:
+            notes.append("error bars: 95% interval of the mean over the repeats (Student's t)")
         if left_out:
             notes.append("not measured (GPU memory, MFU and power need a GPU), left out: " + ", ".join(left_out))
         if failed:
@@ -706,7 +723,7 @@ def write_plots(rows: List[dict], out: Path) -> List[Path]:
         have = [r for r in done if r.get(xkey) is not None and r.get(ykey) is not None]
         left_out = [r["variant"] for r in done if r not in have]
         for r in have:
-            ax.scatter(r[xkey], r[ykey], s=60)
+            ax.errorbar(r[xkey], r[ykey], xerr=error(r, xkey), yerr=error(r, ykey), fmt="o", markersize=8, capsize=3)
             ax.annotate(r["variant"], (r[xkey], r[ykey]), textcoords="offset points", xytext=(6, 4))
         if not have:
             ax.text(0.5, 0.5, "no variant has both values measured", ha="center", va="center",
@@ -721,9 +738,11 @@ def write_plots(rows: List[dict], out: Path) -> List[Path]:
         fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(done) + 2), 4.5))
         have = [r for r in done if r.get(key) is not None]
         left_out = [r["variant"] for r in done if r not in have]
-        ax.bar([r["variant"] for r in have], [r[key] * scale for r in have], color="tab:blue")
+        ax.bar([r["variant"] for r in have], [r[key] * scale for r in have], color="tab:blue",
+               yerr=[error(r, key, scale) for r in have], capsize=4, ecolor="0.2")
         for i, r in enumerate(have):
-            ax.annotate(f"{r[key] * scale:.3g}", (i, r[key] * scale), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{r[key] * scale:.3g}", (i, (r[key] + error(r, key)) * scale), ha="center", va="bottom",
+                        fontsize=8)
         if not have:
             ax.text(0.5, 0.5, "not measured for any variant", ha="center", va="center", transform=ax.transAxes,
                     color="0.4")
@@ -783,18 +802,71 @@ def write_report(settings: Settings, planned: Dict[str, dict], state: dict, devi
     return rows
 
 
+def _recorded_device(settings: Settings, state: dict) -> str:
+    """Where the recorded runs ran: the suite state says it; a state written before it did, the first run's
+    metrics (the run record's device, the health record's device type)."""
+    if state.get("device"):
+        return state["device"]
+    for run_id, entry in state["variants"].items():
+        metrics = settings.out / "runs" / run_id / "metrics.jsonl"
+        if entry.get("status") == "done" and metrics.exists():
+            records = _records(metrics)
+            name = next((r["device"] for r in records if r.get("kind") == "run" and r.get("device")), None)
+            kind = next((r["device_type"] for r in records if r.get("kind") == "health" and r.get("device_type")),
+                        None)
+            if name:
+                return f"{name} ({kind})" if kind else name
+    return "an unrecorded device"
+
+
+def recorded_plan(settings: Settings, state: dict) -> Dict[str, dict]:
+    """The plan of runs made before (--report-only): each variant's flags as its first run recorded them, resolved
+    here only for its shape (parameter counts); a variant that could not run keeps its reason."""
+    planned = {}
+    for name in settings.variants:
+        entry = state["variants"].get(name, {})
+        flags = entry.get("flags") or []
+        try:
+            args = arguments.resolve_quietly(flags) if flags else None
+        except UserError:
+            args = None  # flags this machine cannot parse: the row's parameters come from its run record
+        if args is not None:
+            arguments.default_tokenizer(args)  # what check_run would set: the vocabulary of the parameter count
+        planned[name] = dict(flags=flags, key=entry.get("key"), args=args)
+        if entry.get("status") == CANNOT_RUN:
+            planned[name]["cannot_run"] = entry.get("error") or ""
+    return planned
+
+
+def report_recorded(settings: Settings, log=print) -> int:
+    """--report-only: the report of the runs recorded in --out, written again; nothing trains."""
+    if not (settings.out / STATE_FILE).exists():
+        raise UserError(f"{settings.out} holds no suite ({STATE_FILE} is missing): --report-only rewrites the "
+                        f"report of runs made before; run the suite without it first")
+    state = load_state(settings.out, settings.identity())
+    write_report(settings, recorded_plan(settings, state), state, _recorded_device(settings, state))
+    log((settings.out / "efficiency.md").read_text())
+    log(f"wrote {settings.out / 'efficiency.md'}, findings.md, efficiency.json, efficiency.csv, plots/, tb/ "
+        f"(from the recorded runs)")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- main
 def run_suite(settings: Settings, log=print) -> int:
     from . import platform
 
+    if settings.report_only:
+        return report_recorded(settings, log)
     plat = platform.detect()
     planned = plan(settings, plat)  # raises before anything runs when no variant can run
+    settings.out.mkdir(parents=True, exist_ok=True)
+    state = load_state(settings.out, settings.identity())
+    device = state["device"] = f"{plat.device_name} ({plat.device_type})"
     for name, entry in planned.items():
         if entry.get("cannot_run"):
             log(f"{name}: cannot run here: {entry['cannot_run']}")
-    settings.out.mkdir(parents=True, exist_ok=True)
-    state = load_state(settings.out, settings.identity())
-    device = f"{plat.device_name} ({plat.device_type})"
+            state["variants"].setdefault(name, dict(status=CANNOT_RUN, error=entry["cannot_run"],
+                                                    flags=entry["flags"]))
 
     def kept(run_id: str, entry: dict) -> bool:
         """A recorded outcome a resumed suite keeps: done with its complete metrics, or out of memory."""

@@ -93,7 +93,7 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     results_table = md.split("Where the time goes")[0]
     for line in results_table.splitlines():
         if line.startswith("| "):
-            assert line.count("|") == 15, line  # 14 columns in every row, failed ones too
+            assert line.count("|") == 16, line  # 15 columns in every row, failed ones too
     # One log per worker (its first line the worker's command, with the --megatron-flags), a profile per system that
     # ran; the workers' result files are merged into benchmark.json and removed.
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["litespark-local-bf16-mb2.log",
@@ -351,7 +351,7 @@ def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     assert "- device: NVIDIA H200 (1 of 1 visible; compute capability 9.0), CUDA 13.0" in md
     assert "- MFU: against 989.4 TFLOP/s (dense BF16 of H200, datasheet), FP8 systems too" in md
     tflops = full * 10 / 4.0 / 1e12
-    assert (f"| litespark-bf16 | bf16 | torch SDPA cuDNN | te / te / on | 2 x 1 | 20,480 | 2.50x | {tflops:.1f} / "
+    assert (f"| litespark-bf16 | bf16 | torch SDPA cuDNN | te / te / on | 2 x 1 | 20,480 | 2.50x | n/a | {tflops:.1f} / "
             f"{2 * 4096 * 21_389_377_536 * 10 / 4.0 / 1e12:.1f} | {tflops / 989.4:.1%} / ") in md
     assert "| 90.5 | 650 | 0.0317 | 0.37x | 11.900 -> 11.500 |" in md
     assert "| stock-te-fp8 | oom: out of memory: CUDA out of memory |" in md
@@ -360,8 +360,52 @@ def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     assert "| stock-te-bf16 **DEGRADED** | bf16 | TE UnfusedDotProductAttention (TE's cuDNN 9.14.0) | te / te / on |" \
         in md
     assert "- `stock-te-bf16`: unfused attention: TE UnfusedDotProductAttention (TE's cuDNN 9.14.0)" in md
+    # the only stock row in bf16 fell back: no fair stock ratio, and the report says so
+    assert report["best_stock"] == {"bf16": None} and "vs_best_stock" not in ls
+    assert ("- best stock row (fastest stock Megatron-Core row of each precision that did not fall back; 'vs best "
+            "stock' divides by it): bf16: none (every stock row fell back: no fair ratio)") in md
     assert "| hf-eager | bf16 | torch SDPA cuDNN | n/a |" in md
     json.dumps(report)  # benchmark.json must serialize
+
+
+def test_litespark_is_compared_with_the_fastest_stock_row_of_its_precision(monkeypatch, tmp_path):
+    """Stock in BF16 twice (the default row and a --variant with CUDA graphs, which is faster) and in FP8: each
+    Litespark row is divided by the fastest stock row of its precision, whatever its name; a stock row that fell
+    back cannot be the best, however fast."""
+    tps = {"litespark-bf16": 3.0, "stock-te-bf16": 3.6, "stock-graphs": 3.3, "litespark-fp8": 2.4,
+           "stock-te-fp8": 2.5, "stock-fp8-unfused": 2.0}  # seconds for 10 steps of 8,192 tokens
+    ok = dict(attention=["TE FusedAttention"], attention_kind="fused", fusions={}, degraded=[], device_type="cuda")
+    unfused = dict(ok, attention_kind="unfused", degraded=["unfused attention: TE UnfusedDotProductAttention"])
+
+    def fake_worker(name, system, flags, mbs, gbs, opts, log_dir):
+        fp8 = "--fp8-format" in system.flags
+        return dict(system=name, micro_batch_size=mbs, status="ok", steps=10, seconds=tps[name],
+                    tokens_per_step=8192, step_times_s=[tps[name] / 10] * 10, joules=650.0 * tps[name],
+                    energy_seconds=tps[name], energy_note=None, peak_mem_gib=50.0, peak_mem_timed_gib=50.0,
+                    loss_first=11.9, loss_last=11.5, params=3_606_752_256, skipped_steps=0, notes=[],
+                    precision="fp8 hybrid, delayed scaling + bf16, fp32 main params" if fp8 else
+                    "bf16, fp32 main params", wall_s=40.0, device=H200,
+                    health=unfused if name == "stock-fp8-unfused" else ok)
+
+    monkeypatch.setattr(benchmark, "run_worker", fake_worker)
+    opts = benchmark.build_parser().parse_args([])
+    gbs, candidates = benchmark.micro_batch_plan(opts)
+    flags = benchmark.base_flags(opts)
+    systems = benchmark.parse_systems("litespark-bf16,stock-te-bf16,litespark-fp8,stock-te-fp8",
+                                      ["stock-graphs=stock-te-bf16:--cuda-graph-impl transformer_engine",
+                                       "stock-fp8-unfused=stock-te-fp8:--attention-backend unfused"], flags)
+    report = benchmark.run_all(systems, flags, gbs, candidates, opts, benchmark.check_shape(flags), tmp_path, "cmd")
+    assert report["best_stock"] == {"bf16": "stock-graphs", "fp8": "stock-te-fp8"}
+    rows = {r["system"]: r for r in report["systems"]}
+    assert rows["litespark-bf16"]["vs_best_stock"] == dict(against="stock-graphs", tokens_per_sec=pytest.approx(1.1),
+                                                           joules_per_token=pytest.approx(3.0 / 3.3))
+    assert rows["litespark-fp8"]["vs_best_stock"]["tokens_per_sec"] == pytest.approx(2.5 / 2.4)
+    assert rows["stock-te-bf16"]["vs_best_stock"]["tokens_per_sec"] == pytest.approx(3.3 / 3.6)
+    md = benchmark.render_markdown(report)
+    assert "| 27,307 | n/a | 1.10x (stock-graphs) |" in md and "| 24,824 | n/a | best stock |" in md
+    assert "| 34,133 | n/a | 1.04x (stock-te-fp8) |" in md and "| 32,768 | n/a | best stock |" in md
+    assert "| stock-fp8-unfused **DEGRADED** |" in md and "| 40,960 | n/a | 1.25x (stock-te-fp8) |" in md
+    assert "bf16: stock-graphs; fp8: stock-te-fp8" in md
 
 
 def _report(*rows):
