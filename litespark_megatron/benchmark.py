@@ -151,6 +151,10 @@ def build_parser():
     p.add_argument("--timeout", type=_cli.positive_int, default=600, help="seconds per worker process")
     p.add_argument("--seed", type=_cli.non_negative_int, default=1234)
     p.add_argument("--out", default=None, help="directory for benchmark.md, benchmark.json and logs/")
+    p.add_argument("--resume", action="store_true",
+                   help="continue OUT/benchmark.json: systems it holds with the same flags and settings, measured "
+                        "or out of memory, are kept; the others run (a machine taken back, a time limit per call: "
+                        "repeat the same command); the table says when each system was measured")
     p.add_argument("--allow-degraded", action="store_true",
                    help="exit 0 even if a system fell back (attention that materializes the score matrix or no "
                         "attention kernel, a fused path asked for but off); such rows stay flagged DEGRADED in the "
@@ -499,6 +503,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 (out / "logs").mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
+        kept = resumed_rows(out, report_settings(opts, args, gbs, candidates), systems) if opts.resume else {}
     except UserError as e:
         print(f"benchmark: error: {e}", file=sys.stderr)
         return 2
@@ -527,7 +532,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sequences = gbs * (opts.warmup + opts.steps + opts.profile_steps + 1)
             flags = random_token_flags(flags, args, os.path.join(data_dir, "random"), sequences, opts.seed)
         report = run_all(systems, flags, gbs, candidates, opts, args, log_dir, command, on_progress=write,
-                         environment_warning=warning)
+                         environment_warning=warning, kept=kept)
     print(write(report), end="", flush=True)
     return exit_code(report, opts.allow_degraded)
 
@@ -574,11 +579,18 @@ def exit_code(report: dict, allow_degraded: bool) -> int:
 
 
 def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_dir: Path, command: str,
-            on_progress: Optional[Callable[[dict], None]] = None, environment_warning: Optional[str] = None) -> dict:
+            on_progress: Optional[Callable[[dict], None]] = None, environment_warning: Optional[str] = None,
+            kept: Optional[Dict[str, dict]] = None) -> dict:
     """Run every system (each micro-batch candidate in turn) and return the report; `on_progress` gets the report
-    so far after each system, so that a run cut short still leaves the finished systems on disk."""
+    so far after each system, so that a run cut short still leaves the finished systems on disk. `kept`: rows of
+    an earlier invocation (--resume), not run again."""
     rows = []
     for i, (name, system) in enumerate(systems.items(), 1):
+        if kept and name in kept:
+            rows.append(kept[name])
+            print(f"[{i}/{len(systems)}] {name}: kept from the report being resumed (measured "
+                  f"{kept[name].get('measured') or 'before'})", flush=True)
+            continue
         tries = []
         for mbs in candidates:
             r = run_worker(name, system, flags, mbs, gbs, opts, log_dir)
@@ -592,10 +604,52 @@ def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_
                 # Ascending micro-batches: after an OOM larger ones cannot fit, and any other failure (no TE, no
                 # FP8, import error) does not depend on the micro-batch.
                 break
-        rows.append(dict(system=name, tries=tries, chosen=choose(tries)))
+        rows.append(dict(system=name, tries=tries, chosen=choose(tries), measured=_now()))
         if on_progress is not None and i < len(systems):
             on_progress(build_report(rows, systems, gbs, candidates, opts, args, command, environment_warning))
     return build_report(rows, systems, gbs, candidates, opts, args, command, environment_warning)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def report_settings(opts, args, gbs: int, candidates: List[int]) -> dict:
+    """What every system of one report shares (a resumed report must have the same)."""
+    return dict(model=opts.model, seq_length=args.seq_length, global_batch_size=gbs,
+                tokens_per_step=gbs * args.seq_length, micro_batch_candidates=list(candidates),
+                best_micro_batch=opts.best_micro_batch, warmup=opts.warmup, steps=opts.steps,
+                profile_steps=opts.profile_steps, seed=opts.seed, megatron_flags=opts.megatron_flags,
+                timeout_s=opts.timeout, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+                num_query_groups=args.num_query_groups, vocab_size=args.vocab_size, rotary_base=args.rotary_base,
+                untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+
+
+def resumed_rows(out: Optional[Path], settings: dict, systems: Dict[str, System]) -> Dict[str, dict]:
+    """--resume: the systems of OUT/benchmark.json to keep (same flags; measured, or out of memory at every
+    micro-batch tried), as run_all's rows. None there yet: nothing to keep (the first call of a resumed series)."""
+    if out is None:
+        raise UserError("--resume needs --out: it continues OUT/benchmark.json")
+    path = out / "benchmark.json"
+    if not path.exists():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+        before, entries, device = report["settings"], report["systems"], report["device"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--resume: {path} is not a benchmark report ({e}); use another --out") from None
+    differ = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+    if differ:
+        raise UserError(f"--resume: {path} was measured with other settings (different: {', '.join(differ)}); "
+                        "use another --out, or the same settings to continue it")
+    kept = {}
+    for e in entries:
+        name = e.get("system")
+        if name in systems and e.get("flags") == list(systems[name].flags) and e.get("status") in ("ok", "oom"):
+            tries = [dict(t, device=device) for t in e["tries"]]
+            kept[name] = dict(system=name, tries=tries, chosen=choose(tries), measured=e.get("measured"))
+    return kept
 
 
 def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candidates: List[int], opts, args,
@@ -611,10 +665,11 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         name, c = row["system"], row["chosen"]
         system = systems[name]
         entry = dict(system=name, kind=system.kind, description=system.description, flags=list(system.flags),
-                     spec=spec_of(system), status=c["status"], reason=c.get("reason"), micro_batch_size=c["micro_batch_size"],
-                     global_batch_size=gbs, accumulation_steps=gbs // c["micro_batch_size"],
-                     vocab_rows=system_vocab(args, system),
-                     tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]])
+                     spec=spec_of(system), status=c["status"], reason=c.get("reason"),
+                     micro_batch_size=c["micro_batch_size"], global_batch_size=gbs,
+                     accumulation_steps=gbs // c["micro_batch_size"], vocab_rows=system_vocab(args, system),
+                     tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]],
+                     measured=row.get("measured"))
         if c["status"] == "ok":
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
                                                   "joules", "energy_seconds", "energy_note", "peak_mem_gib",
@@ -633,17 +688,10 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
                       f"{args.make_vocab_size_divisible_by}), HF keeps {args.vocab_size}: the FLOPs of each system "
                       "count its own output layer")
     return dict(
-        command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        command=command, date=_now(),
         device=device, software=_software_versions(), peak=peak, peak_note=peak_note,
         environment_warning=environment_warning,
-        settings=dict(model=opts.model, seq_length=args.seq_length, global_batch_size=gbs,
-                      tokens_per_step=gbs * args.seq_length, micro_batch_candidates=candidates,
-                      best_micro_batch=opts.best_micro_batch, warmup=opts.warmup, steps=opts.steps, seed=opts.seed,
-                      timeout_s=opts.timeout, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-                      num_query_groups=args.num_query_groups, vocab_size=args.vocab_size,
-                      rotary_base=args.rotary_base,
-                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights),
+        settings=report_settings(opts, args, gbs, candidates),
         flops_per_step=flops, vocab_note=vocab_note, baseline=BASELINE, best_stock=best_stock_rows(results),
         pending=[n for n in systems if n not in results], systems=list(results.values()))
 
@@ -712,6 +760,12 @@ def render_markdown(report: dict) -> str:
         "- TFLOP/s: model FLOPs (3 x forward GEMMs, logits included) with attention counted in full (NeMo tables) / "
         "causal-halved (Megatron-LM); docs/metrics.md",
     ]
+    when: Dict[str, List[str]] = {}
+    for r in report["systems"]:
+        when.setdefault(r.get("measured") or "an unrecorded time", []).append(r["system"])
+    if len(when) > 1:  # a resumed report: say which systems ran together
+        lines.append("- measured in several invocations (--resume), same settings: " +
+                     "; ".join(f"{date}: {', '.join(names)}" for date, names in when.items()))
     peak = report["peak"]
     if peak:
         basis = "--peak-tflops" if peak["mfu_basis"] == "override" else f"dense BF16 of {peak['device']}, datasheet"

@@ -351,7 +351,8 @@ def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     assert "- device: NVIDIA H200 (1 of 1 visible; compute capability 9.0), CUDA 13.0" in md
     assert "- MFU: against 989.4 TFLOP/s (dense BF16 of H200, datasheet), FP8 systems too" in md
     tflops = full * 10 / 4.0 / 1e12
-    assert (f"| litespark-bf16 | bf16 | torch SDPA cuDNN | te / te / on | 2 x 1 | 20,480 | 2.50x | n/a | {tflops:.1f} / "
+    assert (f"| litespark-bf16 | bf16 | torch SDPA cuDNN | te / te / on | 2 x 1 | 20,480 | 2.50x | n/a | "
+            f"{tflops:.1f} / "
             f"{2 * 4096 * 21_389_377_536 * 10 / 4.0 / 1e12:.1f} | {tflops / 989.4:.1%} / ") in md
     assert "| 90.5 | 650 | 0.0317 | 0.37x | 11.900 -> 11.500 |" in md
     assert "| stock-te-fp8 | oom: out of memory: CUDA out of memory |" in md
@@ -406,6 +407,61 @@ def test_litespark_is_compared_with_the_fastest_stock_row_of_its_precision(monke
     assert "| 34,133 | n/a | 1.04x (stock-te-fp8) |" in md and "| 32,768 | n/a | best stock |" in md
     assert "| stock-fp8-unfused **DEGRADED** |" in md and "| 40,960 | n/a | 1.25x (stock-te-fp8) |" in md
     assert "bf16: stock-graphs; fp8: stock-te-fp8" in md
+
+
+def test_resume_keeps_what_was_measured_and_runs_the_rest(monkeypatch, tmp_path, capsys):
+    """A benchmark cut into calls (a time limit per call, a machine taken back): the same command with --resume
+    keeps the systems OUT/benchmark.json measured with the same flags and settings, runs the others, and the table
+    says which ran when. Other settings, or no --out, are refused before anything runs."""
+    ran, outcome, clock = [], {}, ["2026-11-25 01:00 UTC"]
+
+    def fake_worker(name, system, flags, mbs, gbs, opts, log_dir):
+        ran.append(name)
+        if outcome.get(name) == "timeout":
+            return dict(system=name, micro_batch_size=mbs, status="timeout", reason="no result within --timeout",
+                        wall_s=600.0)
+        return dict(system=name, micro_batch_size=mbs, status="ok", steps=2, seconds=1.0, tokens_per_step=128,
+                    step_times_s=[0.5, 0.5], joules=100.0, energy_seconds=1.0, energy_note=None, peak_mem_gib=5.0,
+                    peak_mem_timed_gib=5.0, loss_first=9.0, loss_last=8.9, params=1000, skipped_steps=0, notes=[],
+                    precision="bf16, fp32 main params", wall_s=30.0, device=H200,
+                    health=dict(attention=["TE FusedAttention"], attention_kind="fused", fusions={}, degraded=[],
+                                device_type="cuda"))
+
+    monkeypatch.setattr(benchmark, "run_worker", fake_worker)
+    monkeypatch.setattr(benchmark, "preflight", lambda args: None)
+    monkeypatch.setattr(benchmark, "_now", lambda: clock[0])
+    out = tmp_path / "bench"
+    argv = TINY + ["--systems", "litespark-bf16,stock-te-bf16", "--out", str(out), "--resume",
+                   "--variant", "stock-graphs=stock-te-bf16:--cuda-graph-impl transformer_engine"]
+    outcome["stock-graphs"] = "timeout"
+    assert benchmark.main(argv) == 1  # first call: nothing to resume yet; the variant timed out
+    assert ran == ["litespark-bf16", "stock-te-bf16", "stock-graphs"]
+    ran.clear(), outcome.clear(), capsys.readouterr()
+    clock[0] = "2026-11-25 01:20 UTC"
+    assert benchmark.main(argv) == 0
+    assert ran == ["stock-graphs"]  # the two measured systems are kept, the timed-out one runs again
+    assert "[1/3] litespark-bf16: kept from the report being resumed (measured 2026-11-25 01:00 UTC)" in \
+        capsys.readouterr().out
+    report = json.loads((out / "benchmark.json").read_text())
+    assert [(r["system"], r["status"], r["measured"]) for r in report["systems"]] == [
+        ("litespark-bf16", "ok", "2026-11-25 01:00 UTC"), ("stock-te-bf16", "ok", "2026-11-25 01:00 UTC"),
+        ("stock-graphs", "ok", "2026-11-25 01:20 UTC")]
+    assert report["device"] == H200 and report["best_stock"] == {"bf16": "stock-te-bf16"}  # equal speed: first
+    assert ("- measured in several invocations (--resume), same settings: 2026-11-25 01:00 UTC: litespark-bf16, "
+            "stock-te-bf16; 2026-11-25 01:20 UTC: stock-graphs") in (out / "benchmark.md").read_text()
+    # a changed variant is another system: it runs, the others are kept
+    ran.clear()
+    changed = [a if not a.startswith("stock-graphs=") else a + " --cuda-graph-warmup-steps 2" for a in argv]
+    assert benchmark.main(changed) == 0 and ran == ["stock-graphs"]
+    before = (out / "benchmark.json").read_text()
+    ran.clear(), capsys.readouterr()
+    assert benchmark.main([a if a != "2" or i != argv.index("--steps") + 1 else "3" for i, a in enumerate(argv)]) == 2
+    assert capsys.readouterr().err.strip() == (f"benchmark: error: --resume: {out / 'benchmark.json'} was measured "
+                                               "with other settings (different: steps); use another --out, or the "
+                                               "same settings to continue it")
+    assert benchmark.main([a for a in argv if a not in ("--out", str(out))]) == 2
+    assert capsys.readouterr().err.strip() == "benchmark: error: --resume needs --out: it continues OUT/benchmark.json"
+    assert ran == [] and (out / "benchmark.json").read_text() == before
 
 
 def _report(*rows):
