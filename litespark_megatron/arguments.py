@@ -109,6 +109,10 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--data-seed", type=int, default=None, metavar="N",
                    help="the seed of the data order (the datasets' shuffle); default: --seed. Runs that differ in "
                         "--seed alone then also differ in their data; the same --data-seed keeps it")
+    g.add_argument("--fp8-attention", dest="fp8_dot_product_attention", action="store_true",
+                   help="attention in FP8 as well: Transformer Engine's FP8 dot-product attention (Hopper), with "
+                        "--fp8-format and --spec stock-te (megatron-core's config field fp8_dot_product_attention, "
+                        "which Megatron-LM sets from no flag)")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -355,6 +359,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
     if args.fp8 and not plat.fp8_capable:
         raise ConfigError("--fp8-format needs a GPU with FP8 tensor cores (compute capability >= 8.9, e.g. "
                           "H100/H200) and Transformer Engine; use --bf16")
+    if args.fp8_dot_product_attention:
+        _check_fp8_attention(args)
     if args.litespark_spec == "litespark":
         llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
             args.position_embedding_type in ("rope", "none")
@@ -545,6 +551,19 @@ def model_config_check(args) -> None:
         core_transformer_config_from_args(args)
     except (AssertionError, ValueError) as e:
         raise ConfigError(f"the model cannot be built: {str(e).strip().splitlines()[0]}") from None
+
+
+def _check_fp8_attention(args) -> None:
+    if not args.fp8:
+        raise ConfigError("--fp8-attention needs --fp8-format (attention joins the FP8 recipe of the GEMMs): add "
+                          "--fp8-format hybrid")
+    if args.litespark_spec not in ("stock", "stock-te") or args.transformer_impl != "transformer_engine":
+        raise ConfigError(f"--fp8-attention needs --spec stock-te, whose core attention is Transformer Engine's "
+                          f"DotProductAttention; --spec {args.litespark_spec}'s core attention has no FP8 path, so "
+                          f"the flag would change nothing")
+    if args.fp8_recipe not in ("delayed", "tensorwise", "mxfp8"):
+        raise ConfigError(f"--fp8-attention with --fp8-recipe {args.fp8_recipe}: megatron-core gives FP8 attention "
+                          "to the delayed, tensorwise and mxfp8 recipes only; use one of them")
 
 
 def default_tokenizer(args) -> None:

@@ -195,6 +195,37 @@ NSA_GPU = ["--model", "eff-0.5b", "--mock-data", "--lr", "1e-3", "--micro-batch-
            "--eval-interval", "10", "--attention-variant", "nsa", "--transformer-impl", "transformer_engine"]
 
 
+def test_fp8_attention_reaches_the_config_and_is_refused_where_it_would_do_nothing():
+    """--fp8-attention sets megatron-core's fp8_dot_product_attention (which Megatron-LM has no flag for) on the
+    stock TE layer in FP8; without FP8, on the Litespark layer (torch SDPA) or with a recipe megatron-core gives no
+    FP8 attention to, one line says why (checked with a GPU platform value)."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    stock_fp8 = TINY + ["--spec", "stock-te", "--fp8-format", "hybrid", "--fp8-attention"]
+    check(stock_fp8, GPU_TE)
+    # megatron.training's own derivation of the layer config (which copies args by field name); without TE here
+    # its fused RoPE cannot be asked for
+    args = resolve(stock_fp8 + ["--no-rope-fusion"], GPU_TE)
+    arguments.check_run(args, GPU_TE, 1)
+    assert core_transformer_config_from_args(args).fp8_dot_product_attention is True
+    args = resolve(TINY + ["--spec", "stock-te", "--fp8-format", "hybrid", "--no-rope-fusion"], GPU_TE)
+    arguments.check_run(args, GPU_TE, 1)
+    assert core_transformer_config_from_args(args).fp8_dot_product_attention is False
+    for argv, message in [
+        (TINY + ["--spec", "stock-te", "--fp8-attention"], "--fp8-attention needs --fp8-format (attention joins the "
+                                                          "FP8 recipe of the GEMMs): add --fp8-format hybrid"),
+        (TINY + ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--fp8-attention"],
+         "--fp8-attention needs --spec stock-te, whose core attention is Transformer Engine's DotProductAttention; "
+         "--spec litespark's core attention has no FP8 path, so the flag would change nothing"),
+        (stock_fp8 + ["--fp8-recipe", "blockwise"], "--fp8-attention with --fp8-recipe blockwise: megatron-core "
+                                                    "gives FP8 attention to the delayed, tensorwise and mxfp8 "
+                                                    "recipes only; use one of them"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            check(argv, GPU_TE)
+        assert str(e.value) == message
+
+
 def test_nsa_on_a_gpu_needs_fla_core_and_a_shape_its_kernels_run(monkeypatch):
     """Checked with a GPU platform value: without fla-core the run is refused with the install command; with it,
     eff-0.5b's 4 query heads per KV head are refused (fla-core's kernels need 16, a power of 2) with the flag that
