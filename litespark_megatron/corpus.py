@@ -368,6 +368,20 @@ def _load_cached(cache_dir: str, config: dict) -> Optional[StdlibCorpus]:
                         cached=True)
 
 
+def describe_stdlib_corpus(prefix: str) -> Optional[str]:
+    """One line naming a prepared stdlib corpus (its --data-path prefix) by what decides its content: the
+    interpreter, and the files and tokens its standard library gave (distributions differ: one without the test
+    packages gives a third of the text). None when its manifest cannot be read."""
+    try:
+        with open(os.path.join(os.path.dirname(prefix), _MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        config = manifest["config"]
+        return (f"stdlib corpus of {config['implementation']} {config['python']}: {manifest['files']} files, "
+                f"{manifest['tokens']:,} tokens")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def prepare_stdlib_corpus(cache_dir: str, vocab_size: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES,
                           include_tests: bool = True) -> StdlibCorpus:
     """Tokenizer + indexed dataset of the Python standard library's source, built once in cache_dir.

@@ -496,6 +496,7 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
         energy_kwh=end.get("energy_kwh"),
         attention=" + ".join(health.attention) if health else None,
         degraded="; ".join(health.degraded) if health else None,
+        data=start.get("data"),
     )
     return out
 
@@ -528,7 +529,7 @@ CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_acti
               "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w",
               "aec_w_per_gpu", "j_per_token", "val_ppl_ci95", "amu_gb_ci95", "pcu_ci95", "al_s_ci95",
               "tokens_per_sec_ci95", "j_per_token_ci95", "tokens_per_sec_range", "flops_per_token", "energy_kwh",
-              "host_rss_gb", "intervals_used", "steps_measured", "attention", "degraded", "error", "flags")
+              "host_rss_gb", "intervals_used", "steps_measured", "attention", "degraded", "data", "error", "flags")
 
 
 def _run_summary(settings: Settings, run_id: str, counts: dict) -> Optional[dict]:
@@ -587,6 +588,7 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
                     row[key] = spread.mean if spread else None
                     row["spread"][key] = spread
                 row["degraded"] = "; ".join(sorted({m["degraded"] for m in summaries if m.get("degraded")}))
+                row["data"] = " | ".join(sorted({m["data"] for m in summaries if m.get("data")})) or None
         if "params" not in row or row["params"] is None:
             row["params"] = counts["total"]
             row["params_source"] = "parameter count of the shape"
@@ -640,6 +642,15 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
                      "min and max in efficiency.json." +
                      (" Spread of tokens/s between repeats, (max - min) / mean: " +
                       ", ".join(f"{name} {spread:.1%}" for name, spread in spreads) + "." if spreads else ""))
+    data = {}
+    for r in rows:
+        if r["repeats_done"] and r.get("data"):
+            data.setdefault(r["data"], []).append(r["variant"])
+    if len(data) == 1:
+        notes.append(f"Data of every run: {next(iter(data))}.")
+    elif data:  # runs on other machines (another Python's standard library) or other data flags
+        notes.append("**The runs did not all train on the same data**: " +
+                     "; ".join(f"{d} ({', '.join(names)})" for d, names in data.items()) + ".")
     notes += [
         f"Base `{settings.model}`, {settings.train_iters} steps per variant, precision {settings.precision} unless "
         f"the variant is a precision, {settings.nproc} process(es) on {device}; shared flags: "

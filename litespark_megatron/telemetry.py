@@ -41,6 +41,18 @@ HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkp
 TB_PREFIX = "litespark/"
 
 
+def _data_description(args) -> str:
+    """What the run trains on, in one line: comparisons of runs need the same data (an embedded corpus is named by
+    its content, which depends on the machine's Python)."""
+    if args.mock_data:
+        return "mock data (megatron-core's MockGPTDataset)"
+    if getattr(args, "embedded_corpus", None) and args.data_path:
+        from .corpus import describe_stdlib_corpus
+
+        return describe_stdlib_corpus(args.data_path[-1]) or f"{args.embedded_corpus} corpus"
+    return "data: " + " ".join(map(str, args.data_path or args.train_data_path or []))
+
+
 def _precision(args) -> str:
     return "fp8" if args.fp8 else "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
@@ -86,7 +98,7 @@ class Telemetry:
             world_size=self.world, params=param_count(shape).total, flops_per_step_full=self.flops_full,
             flops_per_step_causal=self.flops_causal, tokens_per_step=self.tokens_per_step, precision=_precision(args),
             device=self.device_name if self.cuda else "cpu", spec=getattr(args, "litespark_spec", None),
-            transformer_impl=args.transformer_impl)
+            transformer_impl=args.transformer_impl, data=_data_description(args))
 
     def begin(self):
         """Called before the first forward of the run (megatron has set this rank's device): the first interval

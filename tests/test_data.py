@@ -5,6 +5,7 @@ import gzip
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -333,6 +334,11 @@ def test_prepare_stdlib_corpus(tmp_path):
     first = json.loads(lines[0])
     assert not os.path.isabs(first["path"]) and first["path"].endswith(".py")
     assert read_back(c.prefix)[0][0] == tok.tokenize(first["text"]) + [tok.eod]
+    # the run record names the corpus by what decides its content (another Python, another corpus)
+    assert corpus.describe_stdlib_corpus(c.prefix) == (
+        f"stdlib corpus of {platform.python_implementation()} {platform.python_version()}: {c.num_files} files, "
+        f"{c.num_tokens:,} tokens")
+    assert corpus.describe_stdlib_corpus(str(tmp_path / "nowhere" / "stdlib")) is None
     # nothing but the published files is left behind
     assert sorted(os.listdir(cache)) == [".lock", "corpus.json", "corpus.jsonl", "stdlib.bin", "stdlib.idx",
                                          "stdlib_tokenizer"]

@@ -338,13 +338,13 @@ def test_interval_and_verdicts_on_known_numbers():
     assert lowest(low, [high, wide]) == INCONCLUSIVE
 
 
-def metrics_of(al, amu, jpt, ppl):
+def metrics_of(al, amu, jpt, ppl, data="mock data (megatron-core's MockGPTDataset)"):
     """A fake run's metrics.jsonl records: two 10-step intervals of `al` s/step (the first left out)."""
     def train(step):
         return dict(step=step, kind="train", step_time_s=al, tokens_per_sec=4096 / al, mfu=0.3, mfu_causal=0.27,
                     mem_reserved_gb=amu, mem_max_allocated_gb=amu - 1, gpu_power_w=jpt * 4096 / al,
                     joules_per_token=jpt, num_gpus=1)
-    return [dict(step=0, kind="run", params=1_000_000, world_size=1), train(10), train(20),
+    return [dict(step=0, kind="run", params=1_000_000, world_size=1, data=data), train(10), train(20),
             dict(step=20, kind="run", iterations=20, val_loss=math.log(ppl), val_ppl=ppl, final_loss=2.0)]
 
 
@@ -390,6 +390,7 @@ def test_repeats_give_each_number_its_spread_and_the_findings_their_verdicts(tmp
     assert "| 1.2000 ±2.1% |" in table  # fp16's AL: 0.0248 / 1.20
     # each measured configuration once, widest first (bf16 is gqa's run)
     assert "Spread of tokens/s between repeats, (max - min) / mean: gqa 2.0%, mqa 1.8%, fp16 1.7%." in table
+    assert "Data of every run: mock data (megatron-core's MockGPTDataset)." in table
     found = {line.split(" | ")[0].lstrip("| "): line for line in
              (tmp_path / "out" / "findings.md").read_text().splitlines() if line.startswith("| ")}
     assert found["BF16 has lower latency than FP16 on Hopper"].endswith("| ~6% lower | al_s | bf16 1.0000 s ± "
@@ -409,7 +410,9 @@ def test_one_repeat_leaves_every_verdict_inconclusive_and_a_cannot_run_row_says_
     def fake_run(settings, run_id, flags, log=print):
         run_dir = settings.out / "runs" / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in metrics_of(*FAKE[run_id][0])))
+        # mqa as if it ran on a machine whose standard library has no test packages
+        data = "stdlib corpus of CPython 3.12.3: 569 files, 3,069,783 tokens" if run_id == "mqa" else "mock data"
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in metrics_of(*FAKE[run_id][0], data)))
         return dict(flags=flags, returncode=0, seconds=1.0, status="done")
 
     monkeypatch.setattr(efficiency, "run_variant", fake_run)
@@ -418,6 +421,8 @@ def test_one_repeat_leaves_every_verdict_inconclusive_and_a_cannot_run_row_says_
                                           "10", "--", "--micro-batch-size", "2"])
     assert efficiency.run_suite(settings, log=lambda *a: None) == 1  # fp8 has no result
     table = (tmp_path / "out" / "efficiency.md").read_text()
+    assert ("**The runs did not all train on the same data**: mock data (gqa, fp16); stdlib corpus of CPython "
+            "3.12.3: 569 files, 3,069,783 tokens (mqa).") in table
     fp8 = next(l for l in table.splitlines() if l.startswith("| fp8 |"))
     assert fp8.endswith("| cannot run here: --fp8-format needs a GPU with FP8 tensor cores (compute capability >= "
                         "8.9, e.g. H100/H200) and Transformer Engine; use --bf16 |"), fp8

@@ -71,6 +71,7 @@ def test_metrics_file_schema(tmp_path):
                                          "test", "run"]
     start, end = rows[0], rows[-1]
     assert start["tokens_per_step"] == 4 * 32 and start["spec"] == "litespark" and start["params"] > 0
+    assert start["data"] == "mock data (megatron-core's MockGPTDataset)"
     train_rows = [r for r in rows if r["kind"] == "train"]
     for r in train_rows:
         assert r["steps"] == 2 and r["tokens_per_sec"] == pytest.approx(2 * 128 / (2 * r["step_time_s"]))
