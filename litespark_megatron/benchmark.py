@@ -361,10 +361,9 @@ def best_stock_rows(rows: Dict[str, dict]) -> Dict[str, Optional[str]]:
     return best
 
 
-def ratios_vs_best_stock(rows: Dict[str, dict]) -> Dict[str, dict]:
-    """Per megatron row (Litespark and stock) whose precision has a fair best stock row: tokens/s and J/token
-    divided by that row's, and its name."""
-    best = best_stock_rows(rows)
+def ratios_vs_best_stock(rows: Dict[str, dict], best: Dict[str, Optional[str]]) -> Dict[str, dict]:
+    """Per megatron row (Litespark and stock) whose precision has a fair best stock row (`best`, from
+    best_stock_rows): tokens/s and J/token divided by that row's, and its name."""
     out = {}
     for name, r in rows.items():
         against = best.get(precision_class(r["precision"])) if r["status"] == "ok" and r.get("spec") else None
@@ -679,7 +678,8 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         results[name] = entry
     for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
         results[name]["vs_" + BASELINE.replace("-", "_")] = ratio
-    for name, ratio in ratios_vs_best_stock(results).items():
+    best_stock = best_stock_rows(results)
+    for name, ratio in ratios_vs_best_stock(results, best_stock).items():
         results[name]["vs_best_stock"] = ratio
     vocab_note = None
     padded = padded_vocab(args)
@@ -692,7 +692,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         device=device, software=_software_versions(), peak=peak, peak_note=peak_note,
         environment_warning=environment_warning,
         settings=report_settings(opts, args, gbs, candidates),
-        flops_per_step=flops, vocab_note=vocab_note, baseline=BASELINE, best_stock=best_stock_rows(results),
+        flops_per_step=flops, vocab_note=vocab_note, baseline=BASELINE, best_stock=best_stock,
         pending=[n for n in systems if n not in results], systems=list(results.values()))
 
 
