@@ -232,10 +232,17 @@ def prepare_libraries() -> Platform:
     return plat
 
 
+# What a scheduler sends every process of a job to stop it or warn of its end (SLURM signals each process of a job
+# step; Megatron-LM's --exit-signal is one of these).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
 def die_with_parent() -> None:
     """In a helper process: the kernel kills it when the process that started it ends, however it ends (Linux
     PR_SET_PDEATHSIG). If that process is already gone, exit now. (The kernel ties the signal to the thread that
-    started the helper; torch and megatron-core start these from the trainer's main thread.)"""
+    started the helper; torch and megatron-core start these from the trainer's main thread.)
+    Its life being the trainer's, it ignores the stop signals: a scheduler's SIGTERM to every process of the job
+    would otherwise kill the checkpoint writer's helpers while the trainer, which handles it, saves with them."""
     import ctypes
     import signal
 
@@ -244,6 +251,8 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     except (AttributeError, OSError):
         return  # not Linux: the helpers keep megatron-core's own lifetime
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     if parent == 1 or os.getppid() != parent:
         os._exit(0)
 

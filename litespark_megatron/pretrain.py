@@ -183,7 +183,14 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"{arguments.PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    return train(args, plat)
+    try:
+        code = train(args, plat)
+    except SystemExit as e:  # megatron.training's exit after a signal or an exit limit, or a failed check
+        if e.code in (0, None):
+            _leave_process_groups()
+        raise
+    _leave_process_groups()
+    return code
 
 
 def prepare(argv):
@@ -257,6 +264,22 @@ def train(args, plat) -> int:
         sample.print_sample(args)
     telemetry.finish()
     return 0
+
+
+def _leave_process_groups() -> None:
+    """A run that ended well (trained, or stopped by a signal or a limit on every rank at one step) leaves its
+    process groups together: a barrier, then torch's teardown. megatron.training's `pretrain` returns with them open;
+    left to the interpreter's exit, a rank whose peers already closed their connections can abort in a
+    communication thread (gloo: "terminate called without an active exception", SIGABRT) and fail a run that
+    finished. (After a failure no barrier: the other ranks may never reach it.)"""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _explain_failed_validation(code, args) -> None:

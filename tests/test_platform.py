@@ -271,6 +271,49 @@ if __name__ == "__main__":  # the helpers are spawned: they import this file aga
 """
 
 
+HELPERS_SENT_A_STOP_SIGNAL = """
+import os, signal, sys, time
+from litespark_megatron import platform
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+if __name__ == "__main__":  # the Manager is spawned: it imports this file again
+    if sys.argv[1] == "patched":
+        platform.helper_processes_die_with_the_trainer()
+    queue = filesystem_async.get_write_results_queue()  # what every save does first: a Manager's server process
+    queue.put("before")
+    for task in os.listdir("/proc/self/task"):  # what SLURM does: the stop signal to every process of the job
+        for child in open(f"/proc/self/task/{task}/children").read().split():
+            os.kill(int(child), signal.SIGTERM)
+    time.sleep(2)
+    try:
+        queue.put("after")
+        print("QUEUE", queue.get(), queue.get())
+    except Exception as e:
+        print("QUEUE", type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("mode", ["patched", "megatron-core"])
+def test_checkpoint_writer_helpers_outlive_a_stop_signal(tmp_path, mode):
+    """A scheduler signals every process of a job (SLURM's SIGTERM at a time limit): megatron-core's results-queue
+    Manager dies of it, and the save the signal asks for then fails (test_trainer's
+    test_a_schedulers_sigterm_to_every_process_saves_and_exits_0); the patched helpers ignore it (they end with the
+    trainer instead). The unpatched case must still lose its queue: when it does not, megatron-core fixed it and
+    the signal part of the patch can go."""
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(HELPERS_SENT_A_STOP_SIGNAL)
+    proc = run([sys.executable, str(script), mode], timeout=120, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = [line for line in proc.stdout.splitlines() if line.startswith("QUEUE")]
+    if mode == "patched":
+        assert result == ["QUEUE before after"], proc.stdout[-2000:]
+    else:
+        assert len(result) == 1 and result != ["QUEUE before after"], \
+            "megatron-core's results queue now outlives a SIGTERM: the helpers need not ignore stop signals"
+
+
 @pytest.mark.parametrize("mode", ["patched", "megatron-core"])
 def test_checkpoint_writer_helpers_end_with_a_killed_trainer(tmp_path, mode):
     """megatron-core's checkpoint helper processes (the results queue's Manager, the persistent async-save worker)

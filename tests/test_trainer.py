@@ -102,6 +102,30 @@ def test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path
     assert [b[s] for s in range(1, 41)] == [a[s] for s in range(1, 41)], (a, b)
 
 
+def test_a_schedulers_sigterm_to_every_process_saves_and_exits_0(tmp_path):
+    """SLURM (at a time limit, on scancel) signals every process of a job step, not only the trainers: the
+    checkpoint writer's helper processes too (megatron-core's results-queue Manager, started by the first save).
+    Killed by that SIGTERM, they would fail the save the signal asks for ("Broken pipe"); they ignore it and end
+    with the trainer instead. The run saves at the next step after the signal and exits 0."""
+    save = tmp_path / "run"
+    cmd = [sys.executable, "-m", "litespark_megatron", *map(str, MOCK), "--train-iters", "200", "--save-interval",
+           "2", "--save", str(save), "--exit-signal-handler"]
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:  # a save a step: no pipe holds it
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT,
+                                env=child_env(MASTER_PORT=free_port()), start_new_session=True)
+        try:
+            _wait_for_step(save / "metrics.jsonl", 3, proc)  # step 2 saved: the helpers are running
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "exiting program after receiving SIGTERM" in out and "error" not in err
+    assert 3 <= int((save / "latest_checkpointed_iteration.txt").read_text()) < 200
+
+
 def test_exit_duration_saves_on_every_rank_at_one_step_and_exits_0(tmp_path):
     """--exit-duration-in-mins 1 (megatron.training's): rank 1 started a minute early (tests/started_earlier.py
     moves its start back). megatron.training takes the earliest start of all ranks and reduces the decision over
