@@ -109,10 +109,16 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--data-seed", type=int, default=None, metavar="N",
                    help="the seed of the data order (the datasets' shuffle); default: --seed. Runs that differ in "
                         "--seed alone then also differ in their data; the same --data-seed keeps it")
+    g.add_argument("--core-attention", choices=("sdpa", "te"), default="sdpa",
+                   help="the Litespark layer's attention kernel: 'sdpa', torch's scaled_dot_product_attention "
+                        "(cuDNN or flash attention on a GPU; runs anywhere), or 'te', Transformer Engine's "
+                        "DotProductAttention as the stock TE layer runs it (cuDNN fused attention without "
+                        "permutes, FP8 with --fp8-attention, TE's context parallelism; --transformer-impl "
+                        "transformer_engine). Default: sdpa")
     g.add_argument("--fp8-attention", dest="fp8_dot_product_attention", action="store_true",
                    help="attention in FP8 as well: Transformer Engine's FP8 dot-product attention (Hopper), with "
-                        "--fp8-format and --spec stock-te (megatron-core's config field fp8_dot_product_attention, "
-                        "which Megatron-LM sets from no flag)")
+                        "--fp8-format, on --spec stock-te or --spec litespark --core-attention te (megatron-core's "
+                        "config field fp8_dot_product_attention, which Megatron-LM sets from no flag)")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -359,6 +365,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
     if args.fp8 and not plat.fp8_capable:
         raise ConfigError("--fp8-format needs a GPU with FP8 tensor cores (compute capability >= 8.9, e.g. "
                           "H100/H200) and Transformer Engine; use --bf16")
+    if args.core_attention != "sdpa":
+        _check_core_attention(args, plat)
     if args.fp8_dot_product_attention:
         _check_fp8_attention(args)
     if args.litespark_spec == "litespark":
@@ -553,14 +561,30 @@ def model_config_check(args) -> None:
         raise ConfigError(f"the model cannot be built: {str(e).strip().splitlines()[0]}") from None
 
 
+def _check_core_attention(args, plat) -> None:
+    """--core-attention te: Transformer Engine's DotProductAttention in the Litespark layer."""
+    if args.litespark_spec != "litespark":
+        raise ConfigError(f"--core-attention chooses the Litespark layer's attention kernel; --spec "
+                          f"{args.litespark_spec} runs its own: drop the flag or use --spec litespark")
+    if args.attention_variant == "nsa":
+        raise ConfigError("--core-attention te with --attention-variant nsa: native sparse attention has kernels of "
+                          "its own; drop one of them")
+    if args.transformer_impl != "transformer_engine":
+        raise ConfigError("--core-attention te is Transformer Engine's DotProductAttention: it needs "
+                          "--transformer-impl transformer_engine" + ("" if plat.te else
+                                                                     ", and Transformer Engine, not importable here"))
+
+
 def _check_fp8_attention(args) -> None:
     if not args.fp8:
         raise ConfigError("--fp8-attention needs --fp8-format (attention joins the FP8 recipe of the GEMMs): add "
                           "--fp8-format hybrid")
-    if args.litespark_spec not in ("stock", "stock-te") or args.transformer_impl != "transformer_engine":
-        raise ConfigError(f"--fp8-attention needs --spec stock-te, whose core attention is Transformer Engine's "
-                          f"DotProductAttention; --spec {args.litespark_spec}'s core attention has no FP8 path, so "
-                          f"the flag would change nothing")
+    te_attention = args.litespark_spec in ("stock", "stock-te") or \
+        (args.litespark_spec == "litespark" and args.core_attention == "te")
+    if not te_attention or args.transformer_impl != "transformer_engine":
+        raise ConfigError(f"--fp8-attention needs Transformer Engine's DotProductAttention: --spec stock-te, or "
+                          f"--spec litespark --core-attention te; --spec {args.litespark_spec}'s core attention here "
+                          f"has no FP8 path, so the flag would change nothing")
     if args.fp8_recipe not in ("delayed", "tensorwise", "mxfp8"):
         raise ConfigError(f"--fp8-attention with --fp8-recipe {args.fp8_recipe}: megatron-core gives FP8 attention "
                           "to the delayed, tensorwise and mxfp8 recipes only; use one of them")

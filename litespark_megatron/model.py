@@ -27,12 +27,17 @@ def model_config_from_args(args):
     from megatron.training.argument_utils import gpt_config_from_args
 
     model_config = gpt_config_from_args(args)
+    bound = {}  # what the Litespark spec takes from litespark-train's own flags
     if getattr(args, "attention_variant", "dense") == "nsa":
         from .layers.nsa import NSASettings
+
+        bound["nsa"] = NSASettings(args.nsa_block_size, args.nsa_selected_blocks, args.nsa_window)
+    if getattr(args, "core_attention", "sdpa") != "sdpa":
+        bound["core_attention"] = args.core_attention
+    if bound:
         from .specs import litespark_layer_spec
 
-        model_config.transformer_layer_spec = functools.partial(
-            litespark_layer_spec, nsa=NSASettings(args.nsa_block_size, args.nsa_selected_blocks, args.nsa_window))
+        model_config.transformer_layer_spec = functools.partial(litespark_layer_spec, **bound)
     seed = args.seed
     model_config.pre_wrap_hooks.append(lambda chunks: _init_chunks(chunks, seed))
     vocab = _unpadded_vocab(args)

@@ -54,13 +54,16 @@ def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = Fals
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
                              num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                              q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
-                             nsa=None) -> ModuleSpec:
+                             nsa=None, core_attention: str = "sdpa") -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
-    Core attention is torch's scaled_dot_product_attention (LitesparkCoreAttention) on both backends: on Hopper it
-    runs cuDNN's / flash attention's fused kernels straight from torch. Which kernel ran is observed and logged on
-    the first step (health.py); a run whose attention fell back to an unfused kernel is flagged, not accepted.
-    Under context parallelism it all-gathers keys and values over the CP group (see layers/attention.py).
+    core_attention "sdpa" (both backends): torch's scaled_dot_product_attention (LitesparkCoreAttention); on Hopper
+    it runs cuDNN's / flash attention's fused kernels straight from torch, and under context parallelism it
+    all-gathers keys and values over the CP group (see layers/attention.py). "te" (te backend): Transformer Engine's
+    DotProductAttention, as the stock TE layer has it: cuDNN's fused attention on the [s, b, h, d] tensors as they
+    are (no permutes), FP8 attention with fp8_dot_product_attention, TE's own context parallelism. Which kernel ran
+    is observed and logged on the first step (health.py); a run whose attention fell back to an unfused kernel is
+    flagged, not accepted.
 
     Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention
     with Litespark core attention and, with qk_layernorm (--qk-layernorm, as DeepSeek), RMSNorm latent norms (local)
@@ -78,7 +81,15 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
     from .layers import LitesparkCoreAttention, LitesparkMLP, LitesparkRMSNorm, LitesparkSelfAttention
 
-    core_attention = LitesparkCoreAttention  # both backends, context parallelism included
+    if core_attention not in ("sdpa", "te"):
+        raise ConfigError(f"unknown Litespark core attention '{core_attention}'; choose 'sdpa' or 'te'")
+    if core_attention == "te" and backend != "te":
+        raise ConfigError("the Litespark core attention 'te' (Transformer Engine's DotProductAttention) needs the te "
+                          "backend (--transformer-impl transformer_engine)")
+    if core_attention == "te" and nsa is not None:
+        raise ConfigError("native sparse attention is its own core attention: the core attention 'te' does not "
+                          "apply to it")
+    attend = LitesparkCoreAttention  # both backends, context parallelism included
     if backend == "te":
         from megatron.core.extensions.transformer_engine import (
             TEColumnParallelLinear, TELayerNormColumnParallelLinear, TELinear, TENorm, TERowParallelLinear)
@@ -96,6 +107,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                            q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
         provider = TESpecProvider()
         keys_map = {}
+        if core_attention == "te":
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention as attend
     elif backend == "local":
         from megatron.core.models.backends import LocalSpecProvider
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -120,7 +133,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     if multi_latent_attention:
         input_norm = norm  # MLA's first GEMMs (the down projections) take no fused norm
         attention = ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                               submodules=MLASelfAttentionSubmodules(core_attention=core_attention,
+                               submodules=MLASelfAttentionSubmodules(core_attention=attend,
                                                                      linear_proj=proj, **mla_linears))
     elif nsa is not None:
         from .layers.nsa import LitesparkNSACoreAttention, LitesparkNSASelfAttention, NSASelfAttentionSubmodules
@@ -135,7 +148,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     else:
         input_norm = fused_norm
         attention = ModuleSpec(module=LitesparkSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                               submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=core_attention,
+                               submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=attend,
                                                                   linear_proj=proj, q_layernorm=IdentityOp,
                                                                   k_layernorm=IdentityOp))
     if num_experts:
@@ -159,10 +172,12 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     )
 
 
-def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None) -> TransformerBlockSubmodules:
+def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
+                         core_attention: str = "sdpa") -> TransformerBlockSubmodules:
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
-    --transformer-impl; `nsa` (bound by model.py for --attention-variant nsa) selects native sparse attention."""
+    --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention) and
+    `core_attention` (--core-attention)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     config = getattr(model_config, "transformer", model_config)
@@ -170,7 +185,8 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None)
     layer = get_litespark_layer_spec(backend, multi_latent_attention=bool(config.multi_latent_attention),
                                      num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                      q_lora_rank=getattr(config, "q_lora_rank", None),
-                                     qk_layernorm=bool(config.qk_layernorm), nsa=nsa)
+                                     qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
+                                     core_attention=core_attention)
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:

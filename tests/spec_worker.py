@@ -1,6 +1,8 @@
 """Builds the tiny model with two specs from the same seed and prints the largest logit and gradient differences.
 
     python tests/spec_worker.py SPEC_A SPEC_B [litespark-train flags...]
+
+A SPEC may carry flags of its own after the spec's name ("litespark --core-attention te").
 """
 import json
 import sys
@@ -19,7 +21,8 @@ def main():
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(7))
     results = {}
     for spec in (spec_a, spec_b):
-        _, model = bare_model.build(base + ["--spec", spec], plat)
+        name, *own = spec.split()
+        _, model = bare_model.build(base + ["--spec", name, *own], plat)
         device = next(model.parameters()).device
         t = tokens.to(device)
         logits = model(t, torch.arange(32, device=device).expand(2, 32), None)   # [b, s, v]

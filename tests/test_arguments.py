@@ -215,14 +215,60 @@ def test_fp8_attention_reaches_the_config_and_is_refused_where_it_would_do_nothi
         (TINY + ["--spec", "stock-te", "--fp8-attention"], "--fp8-attention needs --fp8-format (attention joins the "
                                                           "FP8 recipe of the GEMMs): add --fp8-format hybrid"),
         (TINY + ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--fp8-attention"],
-         "--fp8-attention needs --spec stock-te, whose core attention is Transformer Engine's DotProductAttention; "
-         "--spec litespark's core attention has no FP8 path, so the flag would change nothing"),
+         "--fp8-attention needs Transformer Engine's DotProductAttention: --spec stock-te, or --spec litespark "
+         "--core-attention te; --spec litespark's core attention here has no FP8 path, so the flag would change "
+         "nothing"),
         (stock_fp8 + ["--fp8-recipe", "blockwise"], "--fp8-attention with --fp8-recipe blockwise: megatron-core "
                                                     "gives FP8 attention to the delayed, tensorwise and mxfp8 "
                                                     "recipes only; use one of them"),
     ]:
         with pytest.raises(ConfigError) as e:
             check(argv, GPU_TE)
+        assert str(e.value) == message
+
+
+def test_core_attention_te_builds_tes_attention_into_the_litespark_layer(monkeypatch):
+    """--core-attention te: the Litespark layer of the built model config has Transformer Engine's
+    DotProductAttention as its core attention (with FP8 attention when asked), the default keeps torch SDPA; where
+    it cannot apply, one line says why (checked with GPU and CPU platform values)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.transformer import transformer_block
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from litespark_megatron.layers import LitesparkCoreAttention
+    from litespark_megatron.model import model_config_from_args
+
+    monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: 2)  # no PP
+
+    def core_attention(argv):
+        args = resolve(argv + ["--no-rope-fusion"], GPU_TE)  # no TE here: its fused RoPE cannot be asked for
+        arguments.check_run(args, GPU_TE, 1)
+        config = model_config_from_args(args)
+        blocks = config.transformer_layer_spec(config)
+        return args, blocks.layer_specs[0].submodules.self_attention.submodules.core_attention
+
+    te = TINY + ["--transformer-impl", "transformer_engine", "--core-attention", "te"]
+    assert core_attention(te)[1] is TEDotProductAttention
+    assert core_attention(TINY + ["--transformer-impl", "transformer_engine"])[1] is LitesparkCoreAttention
+    args, attention = core_attention(te + ["--fp8-format", "hybrid", "--fp8-attention"])
+    assert attention is TEDotProductAttention
+    assert core_transformer_config_from_args(args).fp8_dot_product_attention is True
+    for argv, plat, message in [
+        (TINY + ["--spec", "stock-te", "--core-attention", "te"], GPU_TE,
+         "--core-attention chooses the Litespark layer's attention kernel; --spec stock-te runs its own: drop the "
+         "flag or use --spec litespark"),
+        (NSA_GPU + ["--core-attention", "te"], GPU_TE,
+         "--core-attention te with --attention-variant nsa: native sparse attention has kernels of its own; drop one "
+         "of them"),
+        (TINY + ["--transformer-impl", "local", "--core-attention", "te"], GPU_TE,
+         "--core-attention te is Transformer Engine's DotProductAttention: it needs --transformer-impl "
+         "transformer_engine"),
+        (TINY + ["--transformer-impl", "local", "--core-attention", "te"], CPU,
+         "--core-attention te is Transformer Engine's DotProductAttention: it needs --transformer-impl "
+         "transformer_engine, and Transformer Engine, not importable here"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            check(argv, plat)
         assert str(e.value) == message
 
 

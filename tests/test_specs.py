@@ -32,6 +32,16 @@ def test_litespark_te_equals_stock_te(py):
     assert r["grad_max_rel_diff"] <= 5e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the te backend needs a CUDA GPU and Transformer Engine")
+def test_litespark_with_tes_core_attention_equals_stock_te(py):
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
+    r = _compare(py, "litespark --core-attention te", "stock-te", "--transformer-impl", "transformer_engine",
+                 "--bf16")
+    assert r["same_keys"]
+    assert r["logit_max_abs_diff"] <= 2e-2 * max(1.0, r["logit_max_abs"])  # bf16 tolerance
+    assert r["grad_max_rel_diff"] <= 5e-2
+
+
 def test_spec_module_tree():
     """The spec is data: a TransformerLayer whose attention and MLP are the Litespark classes."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -49,18 +59,32 @@ def test_spec_module_tree():
     assert sub.sharded_state_dict_keys_map == LOCAL_TO_TE_KEYS
 
 
-def test_te_backend_attention_is_sdpa():
-    """The te backend runs torch SDPA core attention (independent of which attention backends TE can load), context
-    parallelism included. (megatron-core defines its TE classes even where TE is absent, so the spec is data here
-    too.)"""
+def test_te_backend_attention_is_sdpa_or_tes():
+    """The te backend runs torch SDPA core attention by default (independent of which attention backends TE can
+    load), context parallelism included, and TE's DotProductAttention with core_attention="te" (GQA and MLA); the
+    local backend and NSA refuse "te". (megatron-core defines its TE classes even where TE is absent, so the spec
+    is data here too.)"""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    from litespark_megatron.arguments import ConfigError
     from litespark_megatron.layers import LitesparkCoreAttention
+    from litespark_megatron.layers.nsa import NSASettings
     from litespark_megatron.specs import get_litespark_layer_spec
 
-    def core(**kw):
-        return get_litespark_layer_spec(backend="te", **kw).submodules.self_attention.submodules.core_attention
+    def core(backend="te", **kw):
+        return get_litespark_layer_spec(backend=backend, **kw).submodules.self_attention.submodules.core_attention
 
     assert core() is LitesparkCoreAttention
     assert core(multi_latent_attention=True) is LitesparkCoreAttention
+    assert core(core_attention="te") is TEDotProductAttention
+    assert core(multi_latent_attention=True, core_attention="te") is TEDotProductAttention
+    with pytest.raises(ConfigError, match=r"^the Litespark core attention 'te' \(Transformer Engine's "
+                                          r"DotProductAttention\) needs the te backend"):
+        core("local", core_attention="te")
+    with pytest.raises(ConfigError, match="native sparse attention is its own core attention"):
+        core(core_attention="te", nsa=NSASettings(8, 4, 8))
+    with pytest.raises(ConfigError, match="unknown Litespark core attention 'flash'; choose 'sdpa' or 'te'"):
+        core(core_attention="flash")
 
 
 def test_unknown_backend_and_spec_are_refused():
