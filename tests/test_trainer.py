@@ -122,7 +122,7 @@ def test_a_schedulers_sigterm_to_every_process_saves_and_exits_0(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
         out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    assert "exiting program after receiving SIGTERM" in out and "error" not in err
+    assert "exiting program after receiving SIGTERM" in out and "litespark-train: error" not in err
     assert 3 <= int((save / "latest_checkpointed_iteration.txt").read_text()) < 200
 
 
