@@ -242,7 +242,8 @@ def die_with_parent() -> None:
     PR_SET_PDEATHSIG). If that process is already gone, exit now. (The kernel ties the signal to the thread that
     started the helper; torch and megatron-core start these from the trainer's main thread.)
     Its life being the trainer's, it ignores the stop signals: a scheduler's SIGTERM to every process of the job
-    would otherwise kill the checkpoint writer's helpers while the trainer, which handles it, saves with them."""
+    would otherwise kill the checkpoint writer's helpers while the trainer, which handles it, saves with them. (A
+    data-loader worker that torch gives up on at shutdown and sends SIGTERM then ends with the trainer instead.)"""
     import ctypes
     import signal
 

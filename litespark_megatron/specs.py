@@ -66,7 +66,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     flagged, not accepted.
 
     Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention
-    with Litespark core attention and, with qk_layernorm (--qk-layernorm, as DeepSeek), RMSNorm latent norms (local)
+    with the core attention above and, with qk_layernorm (--qk-layernorm, as DeepSeek), RMSNorm latent norms (local)
     or TE's norm+linear up projections (te), as megatron-core's own MLA specs. MLP: the Litespark SwiGLU MLP,
     or (num_experts) megatron-core's MoELayer, whose experts are megatron-core SwiGLU MLPs made of the same
     linears (local: SequentialMLP; te: TEGroupedMLP with moe_grouped_gemm, else SequentialMLP of TE linears).
