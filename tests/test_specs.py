@@ -24,19 +24,10 @@ def test_litespark_local_equals_stock_local(py):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the te backend needs a CUDA GPU and Transformer Engine")
-def test_litespark_te_equals_stock_te(py):
+@pytest.mark.parametrize("litespark", ["litespark", "litespark --core-attention te"], ids=["sdpa", "te-attention"])
+def test_litespark_te_equals_stock_te(py, litespark):
     pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
-    r = _compare(py, "litespark", "stock-te", "--transformer-impl", "transformer_engine", "--bf16")
-    assert r["same_keys"]
-    assert r["logit_max_abs_diff"] <= 2e-2 * max(1.0, r["logit_max_abs"])  # bf16 tolerance
-    assert r["grad_max_rel_diff"] <= 5e-2
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the te backend needs a CUDA GPU and Transformer Engine")
-def test_litespark_with_tes_core_attention_equals_stock_te(py):
-    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
-    r = _compare(py, "litespark --core-attention te", "stock-te", "--transformer-impl", "transformer_engine",
-                 "--bf16")
+    r = _compare(py, litespark, "stock-te", "--transformer-impl", "transformer_engine", "--bf16")
     assert r["same_keys"]
     assert r["logit_max_abs_diff"] <= 2e-2 * max(1.0, r["logit_max_abs"])  # bf16 tolerance
     assert r["grad_max_rel_diff"] <= 5e-2
