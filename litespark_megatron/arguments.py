@@ -369,6 +369,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_core_attention(args, plat)
     if args.fp8_dot_product_attention:
         _check_fp8_attention(args)
+    if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
+        _check_fp8_parameters_optimizer(args)
     if args.litespark_spec == "litespark":
         llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
             args.position_embedding_type in ("rope", "none")
@@ -588,6 +590,18 @@ def _check_fp8_attention(args) -> None:
     if args.fp8_recipe not in ("delayed", "tensorwise", "mxfp8"):
         raise ConfigError(f"--fp8-attention with --fp8-recipe {args.fp8_recipe}: megatron-core gives FP8 attention "
                           "to the delayed, tensorwise and mxfp8 recipes only; use one of them")
+
+
+def _check_fp8_parameters_optimizer(args) -> None:
+    """FP8 parameters (--fp8-param-gather) under delayed scaling are updated by Transformer Engine's FP8 Adam kernel,
+    which asserts fp32 master weights and moments; the precision-aware optimizer gives it master weights stored as
+    16-bit remainders (megatron-core's store_param_remainders, which no Megatron-LM flag turns off), and bf16 moments
+    if asked. Both failed at the first optimizer step on an H100 (TE 2.20.2, megatron-core 0.19.2)."""
+    if args.fp8_recipe == "delayed":
+        raise ConfigError("--fp8-param-gather with --use-precision-aware-optimizer under delayed scaling: Transformer "
+                          "Engine's Adam for FP8 parameters needs fp32 master weights and moments, and megatron-core "
+                          "keeps the master weights as 16-bit remainders, so the first step would fail; use one of "
+                          "the two flags")
 
 
 def default_tokenizer(args) -> None:

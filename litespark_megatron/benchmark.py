@@ -110,7 +110,8 @@ SYSTEMS: Dict[str, System] = {
 DEFAULT_SYSTEMS = ("hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16", "stock-te-fp8")
 MEGATRON_NOTE = ("megatron systems (GPU): bf16 parameters and compute with fp32 main parameters, fp32 gradient "
                  "accumulation (fused into TE's weight-gradient GEMMs) and fp32 Adam states (megatron-core's "
-                 "mixed-precision optimizer); every system clips gradients at 1.0")
+                 "mixed-precision optimizer), except where the precision column names lower main gradients or "
+                 "moments (the precision-aware optimizer); every system clips gradients at 1.0")
 SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "vocab_size")
 CONTROLLED = SHAPE_FLAGS + ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "seed")
@@ -1090,8 +1091,7 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
     memory_timed = [r["mem_max_allocated_gb"] for r in timed if r.get("mem_max_allocated_gb") is not None]
     health = next((r for r in records if r["kind"] == "health"), None)
     start = next(r for r in records if r["kind"] == "run")
-    precision = ("fp8 hybrid, delayed scaling + bf16, fp32 main params" if args.fp8
-                 else "bf16, fp32 main params") if cuda else "fp32 (CPU run)"
+    precision = precision_of(args) if cuda else "fp32 (CPU run)"
     n_skipped = sum(r["skipped_in_interval"] for r in timed)
     notes = [f"{n_skipped} timed step(s) skipped the update (inf/nan gradients): less work than a full step"] \
         if n_skipped else []
@@ -1110,6 +1110,36 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
                 precision=precision, notes=notes, spec=args.litespark_spec, backend=args.transformer_impl,
                 health={k: health[k] for k in ("attention", "attention_kind", "fusions", "degraded", "device_type")}
                 if health else None)
+
+
+def _dtype_name(dtype) -> str:
+    """A megatron optimizer dtype, as its flag names it: 'bf16' from the flag's string or from the torch.dtype
+    Megatron-LM's validation maps it to."""
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "fp8"}
+    text = str(dtype).replace("torch.", "")
+    return names.get(text, text)
+
+
+def precision_of(args) -> str:
+    """A megatron row's precision, from its resolved arguments: the FP8 recipe (and what else runs in FP8), the
+    compute dtype, and the optimizer's own precision where the precision-aware optimizer lowers it (main gradients
+    and Adam moments in bf16 change the numerics and the memory a row needs: its table must say so).
+    The first word is the class rows are compared within ('fp8', 'bf16')."""
+    compute = text = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if args.fp8:
+        scaling = "delayed scaling" if args.fp8_recipe == "delayed" else f"{args.fp8_recipe} scaling"
+        also = [what for what, on in (("FP8 attention", args.fp8_dot_product_attention),
+                                      ("FP8 parameters", args.fp8_param_gather)) if on]
+        text = f"fp8 {args.fp8}, {', '.join([scaling] + also)} + {compute}"
+    optimizer = ["fp32 main params"]  # megatron-core's mixed-precision optimizer: without the precision-aware one
+    if args.use_precision_aware_optimizer:  # the dtype flags change nothing
+        optimizer = [f"{_dtype_name(args.main_params_dtype)} main params"]
+        grads, m, v = (_dtype_name(d) for d in (args.main_grads_dtype, args.exp_avg_dtype, args.exp_avg_sq_dtype))
+        if grads != "fp32":
+            optimizer.append(f"{grads} main grads")
+        if (m, v) != ("fp32", "fp32"):
+            optimizer.append(f"{m} Adam moments" if m == v else f"Adam moments {m} / {v}")
+    return ", ".join([text] + optimizer)
 
 
 def _te_import_error() -> str:

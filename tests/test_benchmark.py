@@ -576,3 +576,42 @@ def test_preflight_gives_the_start_up_check_answer():
         assert got is None
     assert got == health.te_attention_check(args.hidden_size // args.num_attention_heads, args.num_attention_heads,
                                             args.num_query_groups)
+
+
+def test_a_rows_precision_names_what_its_flags_lower():
+    """The precision column comes from the row's resolved arguments, not from its system's name: the FP8 recipe and
+    what else runs in FP8, and main gradients or Adam moments the precision-aware optimizer keeps in bf16 (they
+    change the numerics and the memory a row needs). Megatron-LM's validation maps the dtype flags to torch dtypes:
+    both forms read the same."""
+    import copy
+
+    from litespark_megatron.arguments import check_run
+    from litespark_megatron.platform import Platform
+
+    gpu = Platform("cuda", "nccl", True, True, "NVIDIA H200")
+    base = ["--model", "tiny", "--mock-data", "--lr", "1e-3", "--micro-batch-size", "1", "--train-iters", "2",
+            "--eval-interval", "10", "--bf16", "--spec", "stock-te", "--no-rope-fusion"]
+    low = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+           "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    fp8 = ["--fp8-format", "hybrid"]
+    cases = [
+        ([], "bf16, fp32 main params"),
+        (fp8, "fp8 hybrid, delayed scaling + bf16, fp32 main params"),
+        (fp8 + ["--fp8-recipe", "tensorwise", "--fp8-attention"],
+         "fp8 hybrid, tensorwise scaling, FP8 attention + bf16, fp32 main params"),
+        (fp8 + ["--use-distributed-optimizer", "--fp8-param-gather"],
+         "fp8 hybrid, delayed scaling, FP8 parameters + bf16, fp32 main params"),
+        (low, "bf16, fp32 main params, bf16 main grads, bf16 Adam moments"),
+        (fp8 + low[:2] + ["--exp-avg-sq-dtype", "bf16"],
+         "fp8 hybrid, delayed scaling + bf16, fp32 main params, Adam moments fp32 / bf16"),
+        # the dtype flags act only with the precision-aware optimizer (Megatron-LM ignores them without it)
+        (["--exp-avg-dtype", "bf16"], "bf16, fp32 main params"),
+    ]
+    for extra, expected in cases:
+        args = arguments.resolve(base + extra, gpu)
+        assert benchmark.precision_of(args) == expected, extra
+        validated = copy.deepcopy(args)
+        check_run(validated, gpu, 1)  # Megatron-LM's validation: 'bf16' -> torch.bfloat16
+        assert benchmark.precision_of(validated) == expected, extra
+    assert str(validated.exp_avg_dtype) == "torch.bfloat16"  # the mapped form was read above
+    assert benchmark.precision_class(benchmark.precision_of(arguments.resolve(base + fp8 + low, gpu))) == "fp8"
