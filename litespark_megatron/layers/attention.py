@@ -110,6 +110,11 @@ class LitesparkSelfAttention(SelfAttention):
             cp_group = self.pg_collection.cp
             query = rope(query, q_freqs, self.config, cu_seqlens=cu_seqlens, cp_group=cp_group)
             key = rope(key, k_freqs, self.config, cu_seqlens=cu_seqlens, cp_group=cp_group)
+        # Key and value (under MHA the query too) are views of the QKV projection's one output buffer. Saved for the
+        # backward as views, they would keep all of it alive: with RoPE the pre-RoPE query and key, 2 (h + hk) d
+        # bytes per token and layer (llama-3b: 3.5 GiB at micro-batch 4). A copy of the views frees it, as TE's
+        # attention does by copying its inputs; RoPE's outputs are no views, for them this is a no-op.
+        query, key, value = (t.contiguous() for t in (query, key, value))
         if self.checkpoint_core_attention and self.training:
             context = self._checkpointed_attention_forward(
                 query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
