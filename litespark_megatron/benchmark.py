@@ -133,7 +133,8 @@ def build_parser():
                         "than a micro-batch is megatron micro-batching and HF gradient accumulation")
     p.add_argument("--best-micro-batch", action="store_true",
                    help=f"try micro-batches {', '.join(map(str, MICRO_BATCH_CANDIDATES))} (those dividing the global "
-                        "batch) for each system at the same tokens per step and keep the fastest that fits")
+                        "batch) for each system at the same tokens per step and keep the fastest that fits; the notes "
+                        "say the largest that fits")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=SYSTEM:FLAGS",
                    help="one more system, run after --systems: SYSTEM (a megatron one) with extra litespark-train "
                         "FLAGS, to measure one change side by side with SYSTEM in the same run, e.g. --variant "
@@ -474,6 +475,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def largest_fitting(tries: List[dict]) -> Optional[dict]:
+    """The largest micro-batch that trained, and the one above it that ran out of memory (None: none was tried, so
+    the largest that fits may be larger); None when no micro-batch trained."""
+    ok = [t["micro_batch_size"] for t in tries if t["status"] == "ok"]
+    if not ok:
+        return None
+    oom = [t["micro_batch_size"] for t in tries if t["status"] == "oom" and t["micro_batch_size"] > max(ok)]
+    return dict(micro_batch_size=max(ok), out_of_memory_at=min(oom) if oom else None)
+
+
+def _largest_fitting_text(largest: Optional[dict]) -> str:
+    if largest is None:
+        return "none trained"
+    if largest["out_of_memory_at"] is None:
+        return f"{largest['micro_batch_size']} or more (no larger one ran out of memory)"
+    return f"{largest['micro_batch_size']} ({largest['out_of_memory_at']} ran out of memory)"
+
+
 def choose(tries: List[dict]) -> dict:
     """The fastest successful try; without one, the first failure (which says why)."""
     ok = [t for t in tries if t["status"] == "ok"]
@@ -669,7 +688,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
                      micro_batch_size=c["micro_batch_size"], global_batch_size=gbs,
                      accumulation_steps=gbs // c["micro_batch_size"], vocab_rows=system_vocab(args, system),
                      tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]],
-                     measured=row.get("measured"))
+                     largest_fitting_micro_batch=largest_fitting(row["tries"]), measured=row.get("measured"))
         if c["status"] == "ok":
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
                                                   "joules", "energy_seconds", "energy_note", "peak_mem_gib",
@@ -828,7 +847,8 @@ def render_markdown(report: dict) -> str:
                 f"{t['micro_batch_size']}: " + (f"{t['tokens_per_step'] * t['steps'] / t['seconds']:,.0f} tokens/s"
                                                if t["status"] == "ok" else t["status"])
                 for t in r["tries"])
-            notes.append(f"- `{r['system']}` micro-batches tried: {tried}")
+            notes.append(f"- `{r['system']}` micro-batches tried: {tried}; the largest that fits: "
+                         f"{_largest_fitting_text(r.get('largest_fitting_micro_batch'))}")
     if notes:
         lines += ["", "Notes:", ""] + notes
     lines += render_profiles(report)

@@ -211,7 +211,9 @@ def test_best_micro_batch_keeps_the_fastest_that_fits_and_stops_at_oom(monkeypat
     assert [t["status"] for t in row["tries"]] == ["ok", "ok", "oom"]
     assert row["tokens_per_sec"] == pytest.approx(1280.0) and report["pending"] == []
     md = benchmark.render_markdown(report)
-    assert "micro-batches tried: 1: 1,024 tokens/s, 2: 1,280 tokens/s, 4: oom" in md and "PARTIAL" not in md
+    assert row["largest_fitting_micro_batch"] == {"micro_batch_size": 2, "out_of_memory_at": 4}
+    assert ("micro-batches tried: 1: 1,024 tokens/s, 2: 1,280 tokens/s, 4: oom; the largest that fits: 2 (4 ran out "
+            "of memory)") in md and "PARTIAL" not in md
     # After the first system the report so far is handed over (and written with --out), marked as partial.
     assert len(progress) == 1 and progress[0]["pending"] == ["hf-eager"]
     assert [r["system"] for r in progress[0]["systems"]] == ["litespark-local-bf16"]
@@ -615,3 +617,21 @@ def test_a_rows_precision_names_what_its_flags_lower():
         assert benchmark.precision_of(validated) == expected, extra
     assert str(validated.exp_avg_dtype) == "torch.bfloat16"  # the mapped form was read above
     assert benchmark.precision_class(benchmark.precision_of(arguments.resolve(base + fp8 + low, gpu))) == "fp8"
+
+
+def test_the_largest_micro_batch_that_fits():
+    """Read from a system's tries: bounded by the first larger one that ran out of memory, open when no larger one
+    did (another failure than memory bounds nothing), none when no micro-batch trained."""
+    def tries(**status):
+        return [dict(micro_batch_size=int(k[2:]), status=v) for k, v in status.items()]
+
+    cases = [(tries(mb1="ok", mb2="ok", mb4="oom"), {"micro_batch_size": 2, "out_of_memory_at": 4},
+              "2 (4 ran out of memory)"),
+             (tries(mb1="ok", mb2="ok", mb4="ok", mb8="ok"), {"micro_batch_size": 8, "out_of_memory_at": None},
+              "8 or more (no larger one ran out of memory)"),
+             (tries(mb1="ok", mb2="failed"), {"micro_batch_size": 1, "out_of_memory_at": None},
+              "1 or more (no larger one ran out of memory)"),
+             (tries(mb1="oom"), None, "none trained")]
+    for t, expected, text in cases:
+        assert benchmark.largest_fitting(t) == expected
+        assert benchmark._largest_fitting_text(expected) == text
