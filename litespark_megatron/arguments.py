@@ -119,6 +119,10 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="attention in FP8 as well: Transformer Engine's FP8 dot-product attention (Hopper), with "
                         "--fp8-format, on --spec stock-te or --spec litespark --core-attention te (megatron-core's "
                         "config field fp8_dot_product_attention, which Megatron-LM sets from no flag)")
+    g.add_argument("--chunked-output-loss", type=int, default=None, metavar="N",
+                   help="compute the output layer and the loss in N chunks of the sequence, recomputing each chunk's "
+                        "logits in the backward: the micro-batch's logits (fp32 in the fused loss) are never whole "
+                        "in memory, for the output layer's GEMM once more (output_loss.py)")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -369,6 +373,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_core_attention(args, plat)
     if args.fp8_dot_product_attention:
         _check_fp8_attention(args)
+    if args.chunked_output_loss is not None:
+        _check_chunked_output_loss(args, tp, cp)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     if args.litespark_spec == "litespark":
@@ -590,6 +596,20 @@ def _check_fp8_attention(args) -> None:
     if args.fp8_recipe not in ("delayed", "tensorwise", "mxfp8"):
         raise ConfigError(f"--fp8-attention with --fp8-recipe {args.fp8_recipe}: megatron-core gives FP8 attention "
                           "to the delayed, tensorwise and mxfp8 recipes only; use one of them")
+
+
+def _check_chunked_output_loss(args, tp: int, cp: int) -> None:
+    n = args.chunked_output_loss
+    if n < 1:
+        raise ConfigError(f"--chunked-output-loss {n}: give the number of chunks, 1 or more")
+    local = args.seq_length // cp // (tp if args.sequence_parallel else 1)
+    if local % n:
+        raise ConfigError(f"--chunked-output-loss {n} does not divide the {local} sequence positions each rank holds "
+                          f"(--seq-length / CP{' / TP under --sequence-parallel' if args.sequence_parallel else ''}); "
+                          f"use a divisor of {local}")
+    if args.mtp_num_layers:
+        raise ConfigError("--chunked-output-loss with --mtp-num-layers: multi-token prediction computes its own "
+                          "logits; the two are not tested together, drop one")
 
 
 def _check_fp8_parameters_optimizer(args) -> None:

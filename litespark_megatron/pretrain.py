@@ -117,7 +117,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
             tokens, position_ids, labels, loss_mask = (batch[k] for k in ("tokens", "position_ids", "labels",
                                                                           "loss_mask"))
             attention_mask = batch["attention_mask"]
-        run = partial(model, tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        run = partial(model, tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                      **_output_processor())
         with stimer:
             if _probed:
                 output = run()
@@ -125,6 +126,18 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
                 _probed = True
                 output = _probed_forward(run, model)
     return output, partial(loss_func, loss_mask)
+
+
+def _output_processor() -> dict:
+    """GPTModel.forward's output_processor for --chunked-output-loss; none otherwise (megatron-core's own path)."""
+    from megatron.training import get_args
+
+    chunks = get_args().chunked_output_loss
+    if chunks is None:
+        return {}
+    from .output_loss import chunked_output_loss
+
+    return {"output_processor": chunked_output_loss(chunks)}
 
 
 def _probed_forward(run, model):

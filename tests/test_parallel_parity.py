@@ -25,6 +25,13 @@ LAYOUTS = {
     "cp2": (2, ["--context-parallel-size", "2"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "cp2-tp2-sp": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # The output layer and the loss in chunks of the sequence (output_loss.py): under SP each chunk gathers
+    # positions from every rank; under PP only the last stage computes the loss.
+    "chunked-loss": (1, ["--chunked-output-loss", "4"]),
+    "tp2-sp-chunked-loss": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--chunked-output-loss",
+                                "4"]),
+    "pp2-chunked-loss": (2, ["--pipeline-model-parallel-size", "2", "--chunked-output-loss", "2"]),
+    "cp2-chunked-loss": (2, ["--context-parallel-size", "2", "--chunked-output-loss", "2"]),
 }
 
 

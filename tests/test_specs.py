@@ -112,7 +112,7 @@ def test_litespark_attention_does_not_keep_the_qkv_buffer_for_the_backward(py, f
     whole buffer (with RoPE: the pre-RoPE query and key, 2 (h + hk) d bytes per token and layer) alive.
     Transformer Engine's attention copies its inputs the same way; on an H200 the SDPA path held 3.5 GiB more
     than TE's at llama-3b micro-batch 4, 32 MiB per layer and sequence: the pre-RoPE query and key exactly."""
-    proc = py(TESTS / "attention_saved_worker.py", "--spec", "litespark", "--transformer-impl", "local", *flags)
+    proc = py(TESTS / "saved_tensors_worker.py", "--spec", "litespark", "--transformer-impl", "local", *flags)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["layers"] == 4 and r["qkv_outputs_kept"] == 0, r

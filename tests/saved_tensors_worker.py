@@ -1,0 +1,60 @@
+"""What the tiny model keeps for the backward of one forward with labels (the training forward):
+
+    python tests/saved_tensors_worker.py [litespark-train flags...]
+
+Prints JSON: `layers`; `qkv_outputs_kept`, how many layers keep their QKV projection's output (the buffer query, key
+and value are split from) among the saved tensors; `logits_saved` and `logits_shapes`, the saved tensors that are
+logits-shaped (last dimension the output layer's rows, not its weight); and, with --chunked-output-loss, `logits_max_diff`, how far the chunked
+processor's logits without labels (generation) are from megatron-core's own.
+"""
+import json
+import sys
+
+import torch
+
+import bare_model
+
+
+def main():
+    plat = bare_model.start()
+    # vocabulary 256: the output layer's rows differ from every other dimension of the tiny model (hidden 128)
+    base = ["--model", "tiny", "--seq-length", "32", "--vocab-size", "256", "--no-gradient-accumulation-fusion"]
+    args, model = bare_model.build(base + sys.argv[1:], plat)
+    processor = {}
+    if args.chunked_output_loss:
+        from litespark_megatron.output_loss import chunked_output_loss
+
+        processor = {"output_processor": chunked_output_loss(args.chunked_output_loss)}
+    qkv_outputs = []  # each layer's linear_qkv output (held here: identity, not addresses a freed buffer reuses)
+    for layer in model.decoder.layers:
+        layer.self_attention.linear_qkv.register_forward_hook(
+            lambda module, inputs, output: qkv_outputs.append(output[0]))
+    rows = model.output_layer.weight.size(0)
+    kept, logits_saved = set(), []
+
+    def pack(t):
+        base = t if t._base is None else t._base  # a view's root tensor
+        kept.update(i for i, out in enumerate(qkv_outputs) if base is out)
+        if t.size(-1) == rows and not isinstance(base, torch.nn.Parameter):  # logits, or the loss's copies of them
+            logits_saved.append(tuple(t.shape))
+        return t
+
+    g = torch.Generator().manual_seed(7)
+    tokens, labels = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
+    position_ids = torch.arange(32).expand(2, 32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, position_ids, None, labels=labels, **processor)
+    assert loss.shape == (2, 32), loss.shape
+    loss.sum().backward()  # the saved tensors were usable
+    out = dict(layers=len(qkv_outputs), qkv_outputs_kept=len(kept), logits_saved=len(logits_saved),
+               logits_shapes=logits_saved)
+    if processor:
+        with torch.no_grad():
+            own, chunked = model(tokens, position_ids, None), model(tokens, position_ids, None, **processor)
+        out["logits_max_diff"] = (own - chunked).abs().max().item()
+    print(json.dumps(out))
+    bare_model.stop()
+
+
+if __name__ == "__main__":
+    main()
