@@ -2,9 +2,9 @@
 logits are never whole in memory.
 
 megatron-core computes the logits of the whole micro-batch, [s, b, V / TP], and its fused cross-entropy keeps an
-fp32 copy of them for the backward: for llama-3b (V = 128,256) at micro-batch 4 that is a 7.8 GiB allocation, the
-one every out-of-memory failure of the 2026-11-25 benchmark hit (CUDA graphs at micro-batch 4 on an H200, micro-batch
-4 on an H100). Here each chunk of positions goes through the output layer and megatron-core's own loss (fused or
+fp32 copy of them for the backward: for llama-3b (V = 128,256) 2 GiB per sequence of 4,096 tokens, the allocation
+12 of the 15 megatron out-of-memory failures of the 2026-11-25 benchmark asked for (CUDA graphs at micro-batch 4 on
+an H200, micro-batch 4 on an H100, ...). Here each chunk of positions goes through the output layer and megatron-core's own loss (fused or
 not, as configured) under activation checkpointing: the forward keeps only the chunk's loss, and the backward
 recomputes one chunk's logits at a time. The cost is the output layer's GEMM once more (2 h V FLOPs per token: for
 llama-3b a tenth of the forward, about 3% of a training step) and, under sequence parallelism, its all-gather.
