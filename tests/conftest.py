@@ -129,3 +129,20 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return "\nState:\tZ" not in status
+
+
+SAVED_TENSOR_MODELS = {  # name -> litespark-train flags of the tiny model (tests/saved_tensors_worker.py)
+    "rope-gqa": "--spec litespark --transformer-impl local",
+    "nope-gqa": "--spec litespark --transformer-impl local --position-embedding-type none",
+    "nope-mha": "--spec litespark --transformer-impl local --position-embedding-type none --num-query-groups 4",
+    "chunked-loss": "--spec litespark --transformer-impl local --chunked-output-loss 4",
+}
+
+
+@pytest.fixture(scope="session")
+def saved_tensors():
+    """What each of SAVED_TENSOR_MODELS keeps for the backward of a training forward, from one worker process."""
+    proc = run([sys.executable, TESTS / "saved_tensors_worker.py", *SAVED_TENSOR_MODELS.values()],
+               env=child_env(MASTER_PORT=free_port()))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dict(zip(SAVED_TENSOR_MODELS, json.loads(proc.stdout.strip().splitlines()[-1])))

@@ -1,13 +1,14 @@
 """What the tiny model keeps for the backward of one forward with labels (the training forward):
 
-    python tests/saved_tensors_worker.py [litespark-train flags...]
+    python tests/saved_tensors_worker.py "FLAGS" ["FLAGS" ...]   # litespark-train flags of one model each
 
-Prints JSON: `layers`; `qkv_outputs_kept`, how many layers keep their QKV projection's output (the buffer query, key
+Builds each model in turn in this one process and prints a JSON list, one entry per model: `layers`; `qkv_outputs_kept`, how many layers keep their QKV projection's output (the buffer query, key
 and value are split from) among the saved tensors; `logits_saved` and `logits_shapes`, the saved tensors that are
 logits-shaped (last dimension the output layer's rows, not its weight); and, with --chunked-output-loss, `logits_max_diff`, how far the chunked
 processor's logits without labels (generation) are from megatron-core's own.
 """
 import json
+import shlex
 import sys
 
 import torch
@@ -17,9 +18,14 @@ import bare_model
 
 def main():
     plat = bare_model.start()
+    print(json.dumps([saved_by(shlex.split(flags), plat) for flags in sys.argv[1:]]))
+    bare_model.stop()
+
+
+def saved_by(flags, plat) -> dict:
     # vocabulary 256: the output layer's rows differ from every other dimension of the tiny model (hidden 128)
     base = ["--model", "tiny", "--seq-length", "32", "--vocab-size", "256", "--no-gradient-accumulation-fusion"]
-    args, model = bare_model.build(base + sys.argv[1:], plat)
+    args, model = bare_model.build(base + flags, plat)
     processor = {}
     if args.chunked_output_loss:
         from litespark_megatron.output_loss import chunked_output_loss
@@ -52,8 +58,7 @@ def main():
         with torch.no_grad():
             own, chunked = model(tokens, position_ids, None), model(tokens, position_ids, None, **processor)
         out["logits_max_diff"] = (own - chunked).abs().max().item()
-    print(json.dumps(out))
-    bare_model.stop()
+    return out
 
 
 if __name__ == "__main__":

@@ -1,27 +1,18 @@
 """--chunked-output-loss: the output layer and the loss in chunks of the sequence under activation checkpointing
 (output_loss.py). Same losses in every layout: test_parallel_parity.py; here what the forward keeps, generation's
 logits, and the refusals."""
-import json
-
 import pytest
 
-from conftest import TESTS
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
 
 
-def _saved(py, *flags):
-    proc = py(TESTS / "saved_tensors_worker.py", "--spec", "litespark", "--transformer-impl", "local", *flags)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_the_forward_keeps_no_logits_and_generation_gets_megatrons_logits(py):
+def test_the_forward_keeps_no_logits_and_generation_gets_megatrons_logits(saved_tensors):
     """Without chunks the loss keeps the micro-batch's logits (fp32 copies in megatron-core's loss) for the
     backward; in chunks it keeps none (each chunk's are recomputed in the backward). Without labels (generation)
     the chunked path returns megatron-core's own logits."""
-    assert _saved(py)["logits_saved"] > 0
-    r = _saved(py, "--chunked-output-loss", "4")
+    assert saved_tensors["rope-gqa"]["logits_saved"] > 0
+    r = saved_tensors["chunked-loss"]
     assert r["logits_saved"] == 0, r
     assert r["logits_max_diff"] == 0.0, r
 

@@ -19,19 +19,17 @@ LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2-1f1b": (2, ["--pipeline-model-parallel-size", "2"]),
-    "pp2-vp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "dp2": (2, []),
     "dp2-distopt-overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    "cp2-tp2-sp": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    # The output layer and the loss in chunks of the sequence (output_loss.py): under SP each chunk gathers
-    # positions from every rank; under PP only the last stage computes the loss.
-    "chunked-loss": (1, ["--chunked-output-loss", "4"]),
-    "tp2-sp-chunked-loss": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--chunked-output-loss",
-                                "4"]),
-    "pp2-chunked-loss": (2, ["--pipeline-model-parallel-size", "2", "--chunked-output-loss", "2"]),
-    "cp2-chunked-loss": (2, ["--context-parallel-size", "2", "--chunked-output-loss", "2"]),
+    # The last two also compute the output layer and the loss in chunks of the sequence (output_loss.py, same
+    # function): under CP and SP each chunk gathers its positions from every TP rank; under virtual pipeline stages
+    # only the last computes the loss.
+    "cp2-tp2-sp-chunked-loss": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", "--chunked-output-loss", "2"]),
+    "pp2-vp2-chunked-loss": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                 "1", "--chunked-output-loss", "4"]),
 }
 
 
