@@ -2,10 +2,11 @@
 
     python tests/saved_tensors_worker.py "FLAGS" ["FLAGS" ...]   # litespark-train flags of one model each
 
-Builds each model in turn in this one process and prints a JSON list, one entry per model: `layers`; `qkv_outputs_kept`, how many layers keep their QKV projection's output (the buffer query, key
-and value are split from) among the saved tensors; `logits_saved` and `logits_shapes`, the saved tensors that are
-logits-shaped (last dimension the output layer's rows, not its weight); and, with --chunked-output-loss, `logits_max_diff`, how far the chunked
-processor's logits without labels (generation) are from megatron-core's own.
+Builds each model in turn in this one process and prints a JSON list, one entry per model: `layers`;
+`qkv_outputs_kept`, how many layers keep their QKV projection's output (the buffer query, key and value are split
+from) among the saved tensors; `logits_saved` and `logits_shapes`, the saved tensors that are logits-shaped (last
+dimension the output layer's rows, not its weight); and, with --chunked-output-loss, `logits_max_diff`, how far the
+chunked processor's logits without labels (generation) are from megatron-core's own.
 """
 import json
 import shlex
