@@ -4,10 +4,11 @@ logits are never whole in memory.
 megatron-core computes the logits of the whole micro-batch, [s, b, V / TP], and its fused cross-entropy keeps an
 fp32 copy of them for the backward: for llama-3b (V = 128,256) 2 GiB per sequence of 4,096 tokens, the allocation
 12 of the 15 megatron out-of-memory failures of the 2026-11-25 benchmark asked for (CUDA graphs at micro-batch 4 on
-an H200, micro-batch 4 on an H100, ...). Here each chunk of positions goes through the output layer and megatron-core's own loss (fused or
-not, as configured) under activation checkpointing: the forward keeps only the chunk's loss, and the backward
-recomputes one chunk's logits at a time. The cost is the output layer's GEMM once more (2 h V FLOPs per token: for
-llama-3b a tenth of the forward, about 3% of a training step) and, under sequence parallelism, its all-gather.
+an H200, micro-batch 4 on an H100, ...). Here each chunk of positions goes through the output layer and
+megatron-core's own loss (fused or not, as configured) under activation checkpointing: the forward keeps only the
+chunk's loss, and the backward recomputes one chunk's logits at a time. The cost is the output layer's GEMM once
+more (2 h V FLOPs per token: for llama-3b a tenth of the forward, about 3% of a training step) and, under sequence
+parallelism, its all-gather.
 
 It is megatron-core's `output_processor` hook of GPTModel.forward (called on the last pipeline stage): the output
 layer, its weight (tied or not), gradient-accumulation fusion, TP and SP are megatron-core's, unchanged.
