@@ -1,6 +1,6 @@
 """--chunked-output-loss: the output layer and the loss in chunks of the sequence under activation checkpointing
-(output_loss.py). Same losses in every layout: test_parallel_parity.py; here what the forward keeps, generation's
-logits, and the refusals."""
+(output_loss.py). Its losses equal one process without it under CP2+TP2+SP and PP2 with virtual stages:
+test_parallel_parity.py; here what the forward keeps, generation's logits, and the refusals."""
 import pytest
 
 from test_arguments import GPU_TE, TINY, check
