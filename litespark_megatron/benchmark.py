@@ -604,6 +604,7 @@ def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_
     so far after each system, so that a run cut short still leaves the finished systems on disk. `kept`: rows of
     an earlier invocation (--resume), not run again."""
     rows = []
+    started = _now()  # one time per invocation: the table groups rows by it to say which ran together
     for i, (name, system) in enumerate(systems.items(), 1):
         if kept and name in kept:
             rows.append(kept[name])
@@ -623,7 +624,7 @@ def run_all(systems: Dict[str, System], flags, gbs, candidates, opts, args, log_
                 # Ascending micro-batches: after an OOM larger ones cannot fit, and any other failure (no TE, no
                 # FP8, import error) does not depend on the micro-batch.
                 break
-        rows.append(dict(system=name, tries=tries, chosen=choose(tries), measured=_now()))
+        rows.append(dict(system=name, tries=tries, chosen=choose(tries), measured=started))
         if on_progress is not None and i < len(systems):
             on_progress(build_report(rows, systems, gbs, candidates, opts, args, command, environment_warning))
     return build_report(rows, systems, gbs, candidates, opts, args, command, environment_warning)

@@ -414,8 +414,13 @@ def test_litespark_is_compared_with_the_fastest_stock_row_of_its_precision(monke
 def test_resume_keeps_what_was_measured_and_runs_the_rest(monkeypatch, tmp_path, capsys):
     """A benchmark cut into calls (a time limit per call, a machine taken back): the same command with --resume
     keeps the systems OUT/benchmark.json measured with the same flags and settings, runs the others, and the table
-    says which ran when. Other settings, or no --out, are refused before anything runs."""
-    ran, outcome, clock = [], {}, ["2026-11-25 01:00 UTC"]
+    says which ran when: the rows of one invocation together, however many minutes it took. Other settings, or no
+    --out, are refused before anything runs."""
+    ran, outcome, clock = [], {}, ["2026-11-25 01", 0]
+
+    def now():  # a minute passes at every look at the clock
+        clock[1] += 1
+        return f"{clock[0]}:{clock[1]:02d} UTC"
 
     def fake_worker(name, system, flags, mbs, gbs, opts, log_dir):
         ran.append(name)
@@ -431,7 +436,7 @@ def test_resume_keeps_what_was_measured_and_runs_the_rest(monkeypatch, tmp_path,
 
     monkeypatch.setattr(benchmark, "run_worker", fake_worker)
     monkeypatch.setattr(benchmark, "preflight", lambda args: None)
-    monkeypatch.setattr(benchmark, "_now", lambda: clock[0])
+    monkeypatch.setattr(benchmark, "_now", now)
     out = tmp_path / "bench"
     argv = TINY + ["--systems", "litespark-bf16,stock-te-bf16", "--out", str(out), "--resume",
                    "--variant", "stock-graphs=stock-te-bf16:--cuda-graph-impl transformer_engine"]
@@ -439,18 +444,18 @@ def test_resume_keeps_what_was_measured_and_runs_the_rest(monkeypatch, tmp_path,
     assert benchmark.main(argv) == 1  # first call: nothing to resume yet; the variant timed out
     assert ran == ["litespark-bf16", "stock-te-bf16", "stock-graphs"]
     ran.clear(), outcome.clear(), capsys.readouterr()
-    clock[0] = "2026-11-25 01:20 UTC"
+    clock[:] = ["2026-11-25 02", 0]
     assert benchmark.main(argv) == 0
     assert ran == ["stock-graphs"]  # the two measured systems are kept, the timed-out one runs again
-    assert "[1/3] litespark-bf16: kept from the report being resumed (measured 2026-11-25 01:00 UTC)" in \
+    assert "[1/3] litespark-bf16: kept from the report being resumed (measured 2026-11-25 01:01 UTC)" in \
         capsys.readouterr().out
     report = json.loads((out / "benchmark.json").read_text())
     assert [(r["system"], r["status"], r["measured"]) for r in report["systems"]] == [
-        ("litespark-bf16", "ok", "2026-11-25 01:00 UTC"), ("stock-te-bf16", "ok", "2026-11-25 01:00 UTC"),
-        ("stock-graphs", "ok", "2026-11-25 01:20 UTC")]
+        ("litespark-bf16", "ok", "2026-11-25 01:01 UTC"), ("stock-te-bf16", "ok", "2026-11-25 01:01 UTC"),
+        ("stock-graphs", "ok", "2026-11-25 02:01 UTC")]
     assert report["device"] == H200 and report["best_stock"] == {"bf16": "stock-te-bf16"}  # equal speed: first
-    assert ("- measured in several invocations (--resume), same settings: 2026-11-25 01:00 UTC: litespark-bf16, "
-            "stock-te-bf16; 2026-11-25 01:20 UTC: stock-graphs") in (out / "benchmark.md").read_text()
+    assert ("- measured in several invocations (--resume), same settings: 2026-11-25 01:01 UTC: litespark-bf16, "
+            "stock-te-bf16; 2026-11-25 02:01 UTC: stock-graphs") in (out / "benchmark.md").read_text()
     # a changed variant is another system: it runs, the others are kept
     ran.clear()
     changed = [a if not a.startswith("stock-graphs=") else a + " --cuda-graph-warmup-steps 2" for a in argv]
