@@ -122,8 +122,8 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--chunked-output-loss", type=int, default=None, metavar="N",
                    help="compute the output layer and the loss in N chunks of the sequence, recomputing each chunk's "
                         "logits in the backward: the micro-batch's logits (fp32 in the fused loss) are never whole "
-                        "in memory, for the output layer's GEMM and the loss's forward once more (llama-3b, micro-batch "
-                        "4, H200: 15.4 GiB less for 6.4%% of the step; output_loss.py)")
+                        "in memory, for the output layer's GEMM and the loss's forward once more (llama-3b, "
+                        "micro-batch 4, H200: 15.4 GiB less for 6.4%% of the step; output_loss.py)")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
