@@ -258,6 +258,43 @@ def die_with_parent() -> None:
         os._exit(0)
 
 
+@contextlib.contextmanager
+def _helpers_born_ignoring_stop_signals():
+    """Helpers spawned in this block are born ignoring the stop signals. A spawned helper is a fresh interpreter for
+    a second or more before `die_with_parent` runs in it, and the save that starts it is typically the one a
+    scheduler's SIGTERM asked for, while the scheduler is still signalling every process of the job (node by node):
+    the signal killed the helper at birth and failed the save on that rank (seen under CPU load). A signal ignored
+    at exec stays ignored (a blocked one does not: spawning clears the mask), so the stop signals are ignored
+    around each fork and exec of multiprocessing's spawn, a few milliseconds, and restored at once: a stop signal
+    to the trainer inside those milliseconds is lost. Main thread only (signal.signal); elsewhere nothing changes."""
+    import signal
+    import threading
+    from multiprocessing import util
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    original = util.spawnv_passfds
+
+    def spawnv_passfds(*args, **kwargs):
+        numbers = [getattr(signal, name) for name in STOP_SIGNALS]
+        # (None: a handler Python did not install and could not restore: that signal is left alone)
+        before = {n: signal.getsignal(n) for n in numbers if signal.getsignal(n) is not None}
+        for number in before:
+            signal.signal(number, signal.SIG_IGN)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for number, handler in before.items():
+                signal.signal(number, handler)
+
+    util.spawnv_passfds = spawnv_passfds
+    try:
+        yield
+    finally:
+        util.spawnv_passfds = original
+
+
 def _persistent_async_loop(*args, **kwargs):
     """megatron-core's persistent async-save worker loop, in a worker that dies with its trainer."""
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
@@ -292,7 +329,8 @@ def helper_processes_die_with_the_trainer() -> None:
             import multiprocessing.managers
 
             manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context(mp_mode))
-            manager.start(initializer=die_with_parent)
+            with _helpers_born_ignoring_stop_signals():
+                manager.start(initializer=die_with_parent)
             filesystem_async._results_queue = manager.Queue()
             filesystem_async._litespark_manager = manager  # the queue lives as long as its manager
         return filesystem_async._results_queue
@@ -308,7 +346,8 @@ def helper_processes_die_with_the_trainer() -> None:
             loop = cls.__dict__["async_loop"]
             cls.async_loop = staticmethod(_persistent_async_loop)
             try:
-                return original_get_process(cls, *args, **kwargs)
+                with _helpers_born_ignoring_stop_signals():
+                    return original_get_process(cls, *args, **kwargs)
             finally:
                 cls.async_loop = loop
         return original_get_process(cls, *args, **kwargs)

@@ -314,6 +314,74 @@ def test_checkpoint_writer_helpers_outlive_a_stop_signal(tmp_path, mode):
             "megatron-core's results queue now outlives a SIGTERM: the helpers need not ignore stop signals"
 
 
+HELPER_SIGNALLED_WHILE_STARTING = """
+import os, signal, sys, threading, time
+from litespark_megatron import platform
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+
+def children():
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            found += open(f"/proc/self/task/{task}/children").read().split()
+        except OSError:
+            pass
+    return found
+
+
+if __name__ == "__main__":  # the Manager is spawned: it imports this file again
+    platform.helper_processes_die_with_the_trainer()
+    if sys.argv[1] == "unheld":
+        platform._helpers_born_ignoring_stop_signals = platform.contextlib.nullcontext
+    received = []
+    signal.signal(signal.SIGTERM, lambda *_: received.append(1))  # the trainer's handler (megatron's)
+    stop, hits = threading.Event(), []
+
+    def scheduler():  # SIGTERM to every process of the job, again and again, while the save starts its helper
+        while not stop.is_set():
+            for child in children():
+                try:
+                    os.kill(int(child), signal.SIGTERM)
+                    hits.append(child)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.001)
+
+    threading.Thread(target=scheduler, daemon=True).start()
+    while not received:  # the trainer itself gets it first, and then starts the save
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+    try:
+        queue = filesystem_async.get_write_results_queue()
+        queue.put("saved")
+        print("QUEUE", queue.get(), "signalled", len(hits) > 0)
+    except Exception as e:
+        print("QUEUE", type(e).__name__)
+    stop.set()
+"""
+
+
+@pytest.mark.parametrize("mode", ["held", "unheld"])
+def test_a_helper_signalled_while_it_starts_survives(tmp_path, mode):
+    """The save a scheduler's SIGTERM asks for starts the results queue's Manager while that SIGTERM is still being
+    sent to every process of the job: the helper, a fresh interpreter for a second or more before it can ignore
+    the signal, was killed at birth and the save failed on that rank (seen on a loaded CPU). Helpers are now born
+    ignoring the stop signals (`_helpers_born_ignoring_stop_signals`); without that (`unheld`) the same script
+    loses the helper, which shows that the test reaches the window."""
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(HELPER_SIGNALLED_WHILE_STARTING)
+    proc = run([sys.executable, str(script), mode], timeout=120, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = [line for line in proc.stdout.splitlines() if line.startswith("QUEUE")]
+    if mode == "held":
+        assert result == ["QUEUE saved signalled True"], proc.stdout[-2000:] + proc.stderr[-2000:]
+    else:
+        assert result == ["QUEUE EOFError"], proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("mode", ["patched", "megatron-core"])
 def test_checkpoint_writer_helpers_end_with_a_killed_trainer(tmp_path, mode):
     """megatron-core's checkpoint helper processes (the results queue's Manager, the persistent async-save worker)
