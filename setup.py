@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]==2.20.2"],
-        "dev": ["pytest>=7", "matplotlib"],
+        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib"],
         # Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir log to Weights & Biases.
         "wandb": ["wandb"],
         # litespark-convert: Hugging Face Llama checkpoints in and out (transformers is a dependency already).
