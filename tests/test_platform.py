@@ -332,7 +332,7 @@ def children():
 
 if __name__ == "__main__":  # the Manager is spawned: it imports this file again
     platform.helper_processes_die_with_the_trainer()
-    if sys.argv[1] == "unheld":
+    if sys.argv[1] == "unpatched":
         platform._helpers_born_ignoring_stop_signals = platform.contextlib.nullcontext
     received = []
     signal.signal(signal.SIGTERM, lambda *_: received.append(1))  # the trainer's handler (megatron's)
@@ -362,12 +362,12 @@ if __name__ == "__main__":  # the Manager is spawned: it imports this file again
 """
 
 
-@pytest.mark.parametrize("mode", ["held", "unheld"])
+@pytest.mark.parametrize("mode", ["patched", "unpatched"])
 def test_a_helper_signalled_while_it_starts_survives(tmp_path, mode):
     """The save a scheduler's SIGTERM asks for starts the results queue's Manager while that SIGTERM is still being
     sent to every process of the job: the helper, a fresh interpreter for a second or more before it can ignore
     the signal, was killed at birth and the save failed on that rank (seen on a loaded CPU). Helpers are now born
-    ignoring the stop signals (`_helpers_born_ignoring_stop_signals`); without that (`unheld`) the same script
+    ignoring the stop signals (`_helpers_born_ignoring_stop_signals`); without that (`unpatched`) the same script
     loses the helper, which shows that the test reaches the window."""
     import sys
 
@@ -376,7 +376,7 @@ def test_a_helper_signalled_while_it_starts_survives(tmp_path, mode):
     proc = run([sys.executable, str(script), mode], timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = [line for line in proc.stdout.splitlines() if line.startswith("QUEUE")]
-    if mode == "held":
+    if mode == "patched":
         assert result == ["QUEUE saved signalled True"], proc.stdout[-2000:] + proc.stderr[-2000:]
     else:
         assert result == ["QUEUE EOFError"], proc.stdout[-2000:] + proc.stderr[-2000:]
