@@ -293,6 +293,17 @@ if __name__ == "__main__":  # the Manager is spawned: it imports this file again
 """
 
 
+def _queue_lines(tmp_path, script_text: str, mode: str):
+    """Run a trainer script (one of the above) with MODE; it must exit 0: its process and its QUEUE lines."""
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(script_text)
+    proc = run([sys.executable, str(script), mode], timeout=120, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [line for line in proc.stdout.splitlines() if line.startswith("QUEUE")]
+
+
 @pytest.mark.parametrize("mode", ["patched", "megatron-core"])
 def test_checkpoint_writer_helpers_outlive_a_stop_signal(tmp_path, mode):
     """A scheduler signals every process of a job (SLURM's SIGTERM at a time limit): megatron-core's results-queue
@@ -300,13 +311,7 @@ def test_checkpoint_writer_helpers_outlive_a_stop_signal(tmp_path, mode):
     test_a_schedulers_sigterm_to_every_process_saves_and_exits_0); the patched helpers ignore it (they end with the
     trainer instead). The unpatched case must still lose its queue: when it does not, megatron-core fixed it and
     the signal part of the patch can go."""
-    import sys
-
-    script = tmp_path / "trainer.py"
-    script.write_text(HELPERS_SENT_A_STOP_SIGNAL)
-    proc = run([sys.executable, str(script), mode], timeout=120, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = [line for line in proc.stdout.splitlines() if line.startswith("QUEUE")]
+    proc, result = _queue_lines(tmp_path, HELPERS_SENT_A_STOP_SIGNAL, mode)
     if mode == "patched":
         assert result == ["QUEUE before after"], proc.stdout[-2000:]
     else:
@@ -369,13 +374,7 @@ def test_a_helper_signalled_while_it_starts_survives(tmp_path, mode):
     the signal, was killed at birth and the save failed on that rank (seen on a loaded CPU). Helpers are now born
     ignoring the stop signals (`_helpers_born_ignoring_stop_signals`); without that (`unpatched`) the same script
     loses the helper, which shows that the test reaches the window."""
-    import sys
-
-    script = tmp_path / "trainer.py"
-    script.write_text(HELPER_SIGNALLED_WHILE_STARTING)
-    proc = run([sys.executable, str(script), mode], timeout=120, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = [line for line in proc.stdout.splitlines() if line.startswith("QUEUE")]
+    proc, result = _queue_lines(tmp_path, HELPER_SIGNALLED_WHILE_STARTING, mode)
     if mode == "patched":
         assert result == ["QUEUE saved signalled True"], proc.stdout[-2000:] + proc.stderr[-2000:]
     else:
