@@ -277,9 +277,9 @@ def _helpers_born_ignoring_stop_signals():
     original = util.spawnv_passfds
 
     def spawnv_passfds(*args, **kwargs):
-        numbers = [getattr(signal, name) for name in STOP_SIGNALS]
         # (None: a handler Python did not install and could not restore: that signal is left alone)
-        before = {n: signal.getsignal(n) for n in numbers if signal.getsignal(n) is not None}
+        numbers = (getattr(signal, name) for name in STOP_SIGNALS)
+        before = {n: h for n in numbers if (h := signal.getsignal(n)) is not None}
         for number in before:
             signal.signal(number, signal.SIG_IGN)
         try:
