@@ -957,7 +957,9 @@ def hf_config_kwargs(args) -> dict:
                 mlp_bias=False, attention_dropout=args.attention_dropout, use_cache=False)
 
 
-def _build_hf(args, cuda: bool, device):
+def build_hf_llama(args, cuda: bool, device):
+    """HF LlamaForCausalLM of the resolved litespark shape, SDPA attention, initialized on `device` in bf16 (fp32
+    on the CPU)."""
     import torch
 
     try:
@@ -1007,7 +1009,7 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    model = _build_hf(args, cuda, device)
+    model = build_hf_llama(args, cuda, device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.ndim >= 2]

@@ -105,9 +105,7 @@ class Telemetry:
         starts here, so that it holds the first step (and with it start-up costs: tools drop it)."""
         if self._t0 is not None:
             return
-        from megatron.training import get_args
-
-        self.iteration = getattr(get_args(), "iteration", 0) or 0  # > 0 when resumed
+        self.iteration = self._start_iteration()  # > 0 when resumed
         if self.iteration and self.is_writer and self.metrics_path and os.path.exists(self.metrics_path):
             _rewind(self.metrics_path, self.iteration)
         self.write(0, "run", self._run_record)
@@ -122,14 +120,24 @@ class Telemetry:
                 if note:
                     print(note, flush=True)
         if self.cuda and int(os.environ.get("RANK", "0")) == 0:
-            from .health import te_attention_check
-
-            args = self.args
-            groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-            warning = te_attention_check(args.kv_channels, args.num_attention_heads, groups)
-            if warning:
-                print(f"WARNING: {warning}", flush=True)
+            self._warn_without_te_fused_attention()
         self._restart()
+
+    def _warn_without_te_fused_attention(self) -> None:
+        """A GPU run whose TE cannot run its fused attention for this head shape says so at start-up."""
+        from .health import te_attention_check
+
+        args = self.args
+        groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+        warning = te_attention_check(args.kv_channels, args.num_attention_heads, groups)
+        if warning:
+            print(f"WARNING: {warning}", flush=True)
+
+    def _start_iteration(self) -> int:
+        """The step the run starts from: megatron.training's, after it loaded a checkpoint."""
+        from megatron.training import get_args
+
+        return getattr(get_args(), "iteration", 0) or 0
 
     @property
     def energy_note(self) -> Optional[str]:

@@ -549,7 +549,7 @@ def test_hf_llama_3b_is_the_megatron_shape_in_bf16():
     # RoPE base 500000, and exactly the parameters the FLOP/parameter counter gives llama-3b (docs/metrics.md).
     import torch
 
-    model = benchmark._build_hf(resolve(["--model", "llama-3b"]), cuda=True, device=torch.device("meta"))
+    model = benchmark.build_hf_llama(resolve(["--model", "llama-3b"]), cuda=True, device=torch.device("meta"))
     assert sum(p.numel() for p in model.parameters()) == 3_606_752_256
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32  # restored after the build

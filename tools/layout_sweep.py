@@ -9,17 +9,31 @@ Each layout is `NPROC:FLAGS`; the flags after `--` are shared. Each run is a fre
 writing its own metrics.jsonl; the table takes the mean over the log records after the first (warm-up) of
 tokens/s per GPU, TFLOP/s per GPU, MFU, peak memory, GPU power and J/token, and the ratio of each layout's
 tokens/s per GPU to the first layout's. Writes OUT/sweep.md and OUT/sweep.json.
+
+A layout whose FLAGS start with `hf-ddp` or `hf-fsdp2` trains HF transformers' Llama of the same shape and batch
+data-parallel instead (`litespark_megatron.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
+parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
+Megatron next to Litespark's layouts: `--layout "2:hf-fsdp2" --layout "2:hf-ddp" --layout "2:--tensor-model-parallel-size
+2 --sequence-parallel"`. Each row names what trained (spec and precision from its metrics' run record).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a source checkout: the package next to tools/
+    sys.path.insert(0, str(ROOT))
+
+HF_LAYOUTS = ("hf-ddp", "hf-fsdp2")  # a layout's first word: HF transformers under torch's data parallelism
+REFUSALS = ("litespark-train: error: ", "hf_parallel: error: ")  # the trainers' one-line refusals
 FIELDS = ("tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "mem_max_allocated_gb", "gpu_power_w",
           "joules_per_token")
 
@@ -30,18 +44,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_env(flags) -> dict:
+    """The environment of a layout's run: the package importable from the checkout, and on a Hopper or older GPU
+    one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1) where TP or CP overlap communication with compute, which
+    Megatron-LM refuses to start without (scripts/pretrain.sh sets it the same way); a value set by the user wins."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    sizes = {"--tensor-model-parallel-size": 1, "--context-parallel-size": 1}
+    for flag, value in zip(flags, flags[1:]):
+        if flag in sizes and value.isdigit():
+            sizes[flag] = int(value)
+    if max(sizes.values()) > 1 and _hopper_or_older():
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return env
+
+
+def _hopper_or_older() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10
+
+
 def steady_state(metrics: Path) -> dict:
     from litespark_megatron.health import from_metrics
 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("kind") == "train"][1:]  # the first interval holds warm-up/compilation
     health = from_metrics(records)
-    out = {"health": health.to_dict() if health else None}
+    run = next((r for r in records if r.get("kind") == "run" and "spec" in r), {})
+    out = {"health": health.to_dict() if health else None, "spec": run.get("spec"), "precision": run.get("precision")}
     for field in FIELDS:
         values = [r[field] for r in train if r.get(field) is not None]
         out[field] = sum(values) / len(values) if values else None
     out["intervals"] = len(train)
     return out
+
+
+def failure_reason(lines) -> str:
+    """Why a run failed, in one line, from its log: torchrun's report at the end names only exit codes and signals.
+    The trainer's one-line refusal if there is one; else running out of GPU memory (the allocation that failed);
+    else the last exception a rank raised."""
+    lines = [line.strip() for line in lines if line.strip()]
+    refusals = [line for line in lines if line.startswith(REFUSALS)]
+    if refusals:
+        return refusals[-1]
+    oom = [line for line in lines if "OutOfMemoryError: CUDA out of memory." in line]
+    if oom:
+        detail = oom[0].split("CUDA out of memory.", 1)[1].strip().split(". ")[0]
+        return f"out of GPU memory ({detail})"
+    raised = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in lines
+              if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b:?", line)
+              and "ChildFailedError" not in line]
+    if raised:
+        return raised[-1][:300]
+    return " | ".join(lines[-3:])[-300:]
 
 
 def main(argv=None) -> int:
@@ -64,21 +122,29 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         layouts.append((int(nproc), shlex.split(flags)))
+    for nproc, flags in layouts:
+        if flags and flags[0].startswith("hf") and flags[0] not in HF_LAYOUTS:
+            print(f"layout_sweep: error: --layout {nproc}:{flags[0]}: unknown HF layout; use one of "
+                  f"{', '.join(HF_LAYOUTS)}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
+        trainer, own = (("litespark_megatron.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]])
+                        if flags and flags[0] in HF_LAYOUTS else ("litespark_megatron", flags))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", "litespark_megatron", *shared, *flags,
+               "127.0.0.1", "--master-port", str(_free_port()), "-m", trainer, *shared, *own,
                "--metrics-file", str(run_dir / "metrics.jsonl")]
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "log.txt", "w") as log:
             log.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
             log.flush()
             try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                    env=run_env([*shared, *flags])).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         row = {"nproc": nproc, "flags": " ".join(flags) or "(none)", "rc": rc}
@@ -86,10 +152,7 @@ def main(argv=None) -> int:
         if rc == 0 and metrics.exists():
             row.update(steady_state(metrics))
         else:
-            lines = (run_dir / "log.txt").read_text().strip().splitlines()
-            # The trainer's own one-line refusal says what was wrong; torchrun's report after it does not.
-            refusals = [line for line in lines if line.startswith("litespark-train: error: ")]
-            row["error"] = refusals[-1] if refusals else " | ".join(lines[-3:])[-300:]
+            row["error"] = failure_reason((run_dir / "log.txt").read_text(errors="replace").splitlines())
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = rows[0].get("tokens_per_sec_per_gpu")
@@ -101,13 +164,13 @@ def main(argv=None) -> int:
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)
 
-    lines = ["| GPUs | layout | tokens/s/GPU | ratio vs first | TFLOP/s/GPU | MFU | peak mem GB | W/GPU | J/token "
-             "| what ran (rank 0) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs | layout | trained | tokens/s/GPU | ratio vs first | TFLOP/s/GPU | MFU | peak mem GB | W/GPU | "
+             "J/token | what ran (rank 0) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     degraded = []
     for r in rows:
         if r["rc"] != 0:
-            lines.append(f"| {r['nproc']} | {r['flags']} | failed ({r['rc']}): {r.get('error', '')[:120]} ||||||||")
+            lines.append(f"| {r['nproc']} | {r['flags']} | failed ({r['rc']}): {r.get('error', '')[:120]} |||||||||")
             continue
         health = r.get("health")
         if health is None:
@@ -115,10 +178,11 @@ def main(argv=None) -> int:
         else:
             ran = ("**DEGRADED**: " + "; ".join(health["degraded"]) + "; " if health["degraded"] else "") + \
                 " + ".join(health["attention"]) + "; fused: " + \
-                ", ".join(f"{k} {v}" for k, v in health["fusions"].items())
+                (", ".join(f"{k} {v}" for k, v in health["fusions"].items()) or "none")
             if health["degraded"]:
                 degraded.append(f"{r['nproc']}:{r['flags']}: " + "; ".join(health["degraded"]))
-        lines.append(f"| {r['nproc']} | {r['flags']} | {fmt(r['tokens_per_sec_per_gpu'], ',.0f')} | "
+        trained = " ".join(str(r[k]) for k in ("spec", "precision") if r.get(k)) or "n/a"
+        lines.append(f"| {r['nproc']} | {r['flags']} | {trained} | {fmt(r['tokens_per_sec_per_gpu'], ',.0f')} | "
                      f"{fmt(r['ratio_per_gpu_vs_first'], '.3f')} | {fmt(r['tflops_per_gpu'], '.1f')} | "
                      f"{fmt(r['mfu'], '.1%')} | {fmt(r['mem_max_allocated_gb'], '.1f')} | "
                      f"{fmt(r['gpu_power_w'], '.0f')} | {fmt(r['joules_per_token'], '.4f')} | {ran} |")
