@@ -209,17 +209,38 @@ def attach(args) -> None:
 
 def _failed(error: BaseException, save_dir: str, what: str) -> None:
     """A save that failed (disk full, permissions, a storage error): one line on rank 0 instead of a traceback from
-    every rank, and exit 1. The tracker still names the last complete checkpoint."""
+    every rank, and exit 1. The tracker still names the last complete checkpoint. A failure every rank learns of
+    (torch's CheckpointException gathers every rank's) is rank 0's line alone; any other is this rank's own, which
+    rank 0 may never see (it waits in the save's next collective until the launcher stops it): the rank says it."""
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
         raise error  # (torch's CheckpointException is a BaseException: callers catch BaseException)
-    if _rank() == 0:
+    rank = _rank()
+    if rank == 0 or not _seen_by_every_rank(error):
         latest = tracked_iteration(save_dir)
         then = "no checkpoint is complete yet: fix the storage and start again" if latest is None else \
             f"the checkpoint of iteration {latest} stays the latest: fix the storage and start the same command " \
             "again to resume from it"
-        print(f"{PROG}: error: {what} to {save_dir} failed ({_cause(error)}; {_free_space(save_dir)}); {then}",
+        where = "" if rank == 0 else f"rank {rank}: "
+        print(f"{PROG}: error: {where}{what} to {save_dir} failed ({_cause(error)}; {_free_space(save_dir)}); {then}",
               file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def _seen_by_every_rank(error: BaseException) -> bool:
+    """Whether the failure is torch's CheckpointException (or wraps one): raised on every rank with every rank's
+    failures, so rank 0's line names it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen, queue = set(), [error]
+    while queue:
+        e = queue.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, CheckpointException):
+            return True
+        seen.add(id(e))
+        queue += [e.__cause__, e.__context__]
+    return False
 
 
 def _cause(error: BaseException) -> str:

@@ -4,11 +4,12 @@ newest complete ones, a complete checkpoint is not rewritten in place, and a sec
 refused before it writes anything."""
 import fcntl
 import os
+import re
 import signal
 import sys
 import time
 
-from conftest import ROOT, child_env, free_port, ok, records, run, running, train
+from conftest import ROOT, child_env, free_port, ok, records, run, running, torchrun, train
 
 from litespark_megatron import checkpoint_dir
 
@@ -104,6 +105,26 @@ def test_a_failed_save_is_one_line_and_the_previous_checkpoint_stays(tmp_path):
         " GB free there); the checkpoint of iteration 2 stays the latest: fix the storage and start the same "
         "command again to resume from it"), last
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_a_save_that_fails_on_one_rank_alone_is_said_by_that_rank(tmp_path):
+    """Rank 1's save fails before the save's first collective (tests/helper_dies_on_one_rank.py: the writer's
+    results-queue helper dies at birth there, as a scheduler's signal once made it): rank 1 says why in one line
+    naming itself; rank 0, whose save then loses its peer, says its own. Before, only rank 0 spoke, of the lost
+    connection: the cause was in no log."""
+    save = tmp_path / "run"
+    proc = torchrun(2, ROOT / "tests" / "helper_dies_on_one_rank.py", *MOCK, "--train-iters", "4",
+                    "--save-interval", "2", "--save", save, env=child_env(HELPER_DIES_ON_RANK=1))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]
+    rank1 = [line for line in said if line.startswith("litespark-train: error: rank 1: ")]
+    assert len(rank1) == 1, said
+    assert re.fullmatch(rf"litespark-train: error: rank 1: saving iteration 2 to {re.escape(str(save))} failed "
+                        r"\(EOFError: the manager's helper process exited before it answered; [\d.]+ GB free there\); "
+                        r"no checkpoint is complete yet: fix the storage and start again", rank1[0]), said
+    assert all(line.startswith(f"litespark-train: error: saving iteration 2 to {save} failed (")
+               for line in said if line not in rank1) and len(said) <= 2, said  # rank 0's own line, if it had time
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
 
 
 def test_a_second_run_on_a_locked_save_directory_is_refused(tmp_path):
