@@ -19,7 +19,8 @@ Litespark run give the same model and step here): the model shape, `--seq-length
 `--lr`, `--weight-decay`, `--adam-beta1/2`, `--adam-eps`, `--clip-grad`, `--metrics-file`. The LR is constant (a
 throughput baseline, not a schedule); the tokens are random, uniform over the vocabulary, the same global batches
 as the benchmark's HF systems draw (data flags are accepted and not read). What HF cannot run is refused in one
-line before any process group exists: tensor, pipeline, context or expert parallelism, FP8, FP16.
+line before any process group exists: tensor, pipeline, context or expert parallelism, FP8, FP16, recompute, and
+any flag that makes the model other than Llama's (MoE, MLA, NSA, NoPE, LayerNorm, biases, QK norm).
 
 Writes metrics.jsonl records in docs/metrics.md's schema through litespark-train's own Telemetry (intervals,
 tokens/s, TFLOP/s and MFU in both conventions, NVML energy of every GPU, peak memory, forward time per rank, what ran:
@@ -51,9 +52,8 @@ class HFTelemetry(Telemetry):
 def parse(argv: Sequence[str]):
     """(--parallel, the resolved litespark-train args); ConfigError (one line) for what HF cannot run."""
     from .arguments import ConfigError, resolve_quietly
-    from .platform import detect
-
     from .metrics._cli import OneLineParser
+    from .platform import detect
 
     own = OneLineParser(prog=PROG, add_help=False)
     own.add_argument("--parallel", choices=PARALLEL, default="fsdp2")
@@ -69,11 +69,25 @@ def parse(argv: Sequence[str]):
         name, flag = refused[0]
         raise ConfigError(f"{flag} {getattr(args, name)}: HF transformers runs data-parallel only here "
                           f"(--parallel {'|'.join(PARALLEL)}); drop the flag")
+    if args.recompute_granularity:
+        raise ConfigError(f"--recompute-granularity {args.recompute_granularity}: the HF baseline keeps its "
+                          "activations (no recompute); drop the flag")
     if args.fp8 or args.fp16:
         raise ConfigError(f"{'--fp8-format' if args.fp8 else '--fp16'}: the HF baseline trains in bf16 (fp32 on a "
                           "CPU); drop the flag")
-    if getattr(args, "num_experts", None):
-        raise ConfigError("--num-experts: the HF baseline is the dense Llama model; drop the flag")
+    # The HF model is Llama's architecture: a flag that changes it would make the comparison one of two models.
+    other_model = [flag for flag, differs in (
+        ("--num-experts", getattr(args, "num_experts", None)),
+        ("--multi-latent-attention", args.multi_latent_attention),
+        ("--attention-variant nsa", getattr(args, "attention_variant", "dense") != "dense"),
+        (f"--position-embedding-type {args.position_embedding_type}", args.position_embedding_type != "rope"),
+        (f"--normalization {args.normalization}", args.normalization != "RMSNorm"),
+        ("biases in the linear layers (no --disable-bias-linear)", args.add_bias_linear),
+        ("--qk-layernorm", args.qk_layernorm),
+        ("no --swiglu", not args.swiglu)) if differs]
+    if other_model:
+        raise ConfigError(f"{other_model[0]}: the HF baseline is the dense Llama model (RoPE, RMSNorm, SwiGLU, no "
+                          "biases); drop the flag")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gbs, mbs = args.global_batch_size or args.micro_batch_size, args.micro_batch_size
     if gbs % (mbs * world):
@@ -86,8 +100,6 @@ def parse(argv: Sequence[str]):
     args.litespark_spec, args.transformer_impl = f"hf-{opts.parallel}", "hf-transformers"
     args.padded_vocab_size = args.vocab_size  # HF's embedding has the vocabulary's rows, unpadded
     args.consumed_train_samples = 0
-    for recompute in ("recompute_granularity", "recompute_method"):
-        setattr(args, recompute, None)  # the HF model keeps its activations
     return opts.parallel, args, plat
 
 

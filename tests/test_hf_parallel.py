@@ -64,8 +64,19 @@ def test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains(tmp_path, caps
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size 2: HF transformers runs data-parallel only here (--parallel ddp|fsdp2); drop the "
      "flag"),
-    (["--num-experts", "4"], "--num-experts: the HF baseline is the dense Llama model; drop the flag"),
+    (["--num-experts", "4"], "--num-experts: the HF baseline is the dense Llama model (RoPE, RMSNorm, SwiGLU, no "
+                             "biases); drop the flag"),
+    (["--multi-latent-attention"], "--multi-latent-attention: the HF baseline is the dense Llama model (RoPE, "
+                                   "RMSNorm, SwiGLU, no biases); drop the flag"),
+    (["--position-embedding-type", "none"], "--position-embedding-type none: the HF baseline is the dense Llama "
+                                            "model (RoPE, RMSNorm, SwiGLU, no biases); drop the flag"),
+    (["--attention-variant", "nsa"], "--attention-variant nsa: the HF baseline is the dense Llama model (RoPE, "
+                                     "RMSNorm, SwiGLU, no biases); drop the flag"),
+    (["--qk-layernorm"], "--qk-layernorm: the HF baseline is the dense Llama model (RoPE, RMSNorm, SwiGLU, no "
+                         "biases); drop the flag"),
     (["--fp8-format", "hybrid"], "--fp8-format: the HF baseline trains in bf16 (fp32 on a CPU); drop the flag"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--recompute-granularity full: the HF baseline keeps its activations (no recompute); drop the flag"),
     (["--fp16"], "--fp16: the HF baseline trains in bf16 (fp32 on a CPU); drop the flag"),
     (["--micro-batch-size", "2", "--global-batch-size", "3"],
      "--global-batch-size 3 is not a multiple of --micro-batch-size 2 x 1 ranks; use a multiple of 2"),
@@ -111,7 +122,9 @@ def test_tensor_and_context_parallel_layouts_run_with_one_work_queue(monkeypatch
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     monkeypatch.setattr(sweep, "_hopper_or_older", lambda: True)
     assert sweep.run_env(["--model", "tiny", "--tensor-model-parallel-size", "2"])["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    assert sweep.run_env(["--context-parallel-size", "2"])["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert sweep.run_env(["--context-parallel-size=2"])["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in sweep.run_env(["--tensor-model-parallel-size", "2",
+                                                               "--tensor-model-parallel-size", "1"])
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in sweep.run_env(["--tensor-model-parallel-size", "1"])
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in sweep.run_env(["--use-distributed-optimizer"])
     assert str(sweep.ROOT) in sweep.run_env([])["PYTHONPATH"].split(":")
@@ -120,6 +133,10 @@ def test_tensor_and_context_parallel_layouts_run_with_one_work_queue(monkeypatch
     monkeypatch.setattr(sweep, "_hopper_or_older", lambda: True)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     assert sweep.run_env(["--tensor-model-parallel-size", "2"])["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+def test_without_a_gpu_the_sweep_counts_as_hopper_or_older():
+    assert load_tool("layout_sweep")._hopper_or_older() is True  # no GPU here: NVML fails or counts none
 
 
 def test_an_unknown_hf_layout_is_refused_before_anything_runs(tmp_path, capsys):

@@ -51,7 +51,9 @@ def run_env(flags) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     sizes = {"--tensor-model-parallel-size": 1, "--context-parallel-size": 1}
-    for flag, value in zip(flags, flags[1:]):
+    pairs = [f.split("=", 1) if f.startswith("--") and "=" in f else [f] for f in flags]
+    words = [w for pair in pairs for w in pair]
+    for flag, value in zip(words, words[1:]):  # the last one given wins, as in argparse
         if flag in sizes and value.isdigit():
             sizes[flag] = int(value)
     if max(sizes.values()) > 1 and _hopper_or_older():
@@ -60,11 +62,23 @@ def run_env(flags) -> dict:
 
 
 def _hopper_or_older() -> bool:
+    """GPU 0's compute capability below 10, read through NVML: asking torch would open a CUDA context on GPU 0 in
+    this process, memory every run after it would lack. Without a GPU (or NVML): True, the variable is harmless."""
     try:
-        import torch
-    except ImportError:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
         return True
-    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10
+    try:
+        if pynvml.nvmlDeviceGetCount() == 0:
+            return True
+        major, _ = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return major < 10
+    except Exception:
+        return True
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def steady_state(metrics: Path) -> dict:
