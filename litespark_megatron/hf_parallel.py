@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 from .telemetry import Telemetry
 
@@ -145,7 +145,8 @@ def wrap(model, parallel: str, device):
     return model, sync
 
 
-def train(parallel: str, args, plat) -> int:
+def train(parallel: str, args, plat) -> NoReturn:
+    """Train, write the metrics, and end the process with status 0 (see the end)."""
     import torch
     import torch.distributed as dist
 
@@ -203,9 +204,12 @@ def train(parallel: str, args, plat) -> int:
             print(f" iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {loss.item():.6E} | "
                   f"grad norm: {norm:.3f}", flush=True)
     telemetry.finish(args.train_iters)
+    # Every rank is past its last collective; leave without torch's process-group teardown, which on gloo can abort
+    # a rank whose peer closed its connections first (SIGABRT after a finished run, seen under load).
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -226,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{PROG}: error: HuggingFace transformers is not importable here ({e}): pip install transformers",
               file=sys.stderr, flush=True)
         return 2
-    return train(parallel, args, plat)
+    train(parallel, args, plat)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains(tmp_path, caps
     gradient norm 3.2e-5 relative; the two-rank layouts 1.0e-7 and 4.6e-6). A rank that trained the wrong rows or a
     gradient reduction that was skipped moves the loss by 1e-3 or more from the second step on."""
     sweep = load_tool("layout_sweep")
-    rc = sweep.main(["--out", str(tmp_path), "--layout", "1:hf-ddp", "--layout", "2:hf-ddp", "--layout", "2:hf-fsdp2",
+    rc = sweep.main(["--out", str(tmp_path), "--timeout", "300", "--layout", "1:hf-ddp", "--layout", "2:hf-ddp",
+                     "--layout", "2:hf-fsdp2",
                      "--layout", "1:hf-ddp --micro-batch-size 2", "--"] + TINY)
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -145,3 +146,37 @@ def test_an_unknown_hf_layout_is_refused_before_anything_runs(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == \
         "layout_sweep: error: --layout 2:hf-zero3: unknown HF layout; use one of hf-ddp, hf-fsdp2"
     assert not (tmp_path / "s").exists()
+
+
+HANGS = """
+import subprocess, sys, time
+helper = subprocess.Popen(["sleep", "120"])  # not Python: one stack in the log
+print("helper", helper.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_run_past_the_timeout_is_stopped_whole_and_says_where_it_was(tmp_path, monkeypatch):
+    """A hung run (here a process and the helper it started, both asleep) is stopped as a whole: SIGABRT first, on
+    which Python prints where it was, then SIGKILL; no process of it is left to hold a GPU for the next layout."""
+    import os
+    import sys
+    import time
+
+    sweep = load_tool("layout_sweep")
+    monkeypatch.setattr(sweep, "ABORT_GRACE_S", 5)
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        assert sweep.run_layout([sys.executable, "-c", HANGS], log, dict(os.environ), timeout=3) == "timeout"
+    text = log_path.read_text()
+    assert "Fatal Python error: Aborted" in text and 'File "<string>", line 5 in <module>' in text, text
+    helper = int(text.split("helper ", 1)[1].split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(helper, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the run's helper {helper} outlived the timeout")

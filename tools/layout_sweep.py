@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +35,7 @@ if str(ROOT) not in sys.path:  # run from a source checkout: the package next to
 
 HF_LAYOUTS = ("hf-ddp", "hf-fsdp2")  # a layout's first word: HF transformers under torch's data parallelism
 REFUSALS = ("litespark-train: error: ", "hf_parallel: error: ")  # the trainers' one-line refusals
+ABORT_GRACE_S = 10  # seconds a timed-out run's ranks get to print their stacks before SIGKILL
 FIELDS = ("tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "mem_max_allocated_gb", "gpu_power_w",
           "joules_per_token")
 
@@ -59,6 +61,31 @@ def run_env(flags) -> dict:
     if max(sizes.values()) > 1 and _hopper_or_older():
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return env
+
+
+def run_layout(cmd, log, env, timeout: float):
+    """One layout's torchrun, in a process group of its own: its exit status, or "timeout". A run past the timeout
+    is stopped as a whole (torchrun alone killed would leave its ranks holding the GPUs for the next layout): first
+    SIGABRT, on which every rank's Python prints where it was (PYTHONFAULTHANDLER), then SIGKILL."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONFAULTHANDLER": "1"},
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGABRT, ABORT_GRACE_S), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+        return "timeout"
+    except BaseException:  # Ctrl-C: no run may keep the GPUs after the sweep
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 def _hopper_or_older() -> bool:
@@ -156,17 +183,15 @@ def main(argv=None) -> int:
         with open(run_dir / "log.txt", "w") as log:
             log.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
             log.flush()
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                    env=run_env([*shared, *flags])).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = run_layout(cmd, log, run_env([*shared, *flags]), args.timeout)
         row = {"nproc": nproc, "flags": " ".join(flags) or "(none)", "rc": rc}
         metrics = run_dir / "metrics.jsonl"
         if rc == 0 and metrics.exists():
             row.update(steady_state(metrics))
         else:
-            row["error"] = failure_reason((run_dir / "log.txt").read_text(errors="replace").splitlines())
+            row["error"] = (f"no result within --timeout {args.timeout} s; each rank's Python stack at the stop is in "
+                            f"{run_dir / 'log.txt'}" if rc == "timeout" else
+                            failure_reason((run_dir / "log.txt").read_text(errors="replace").splitlines()))
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = rows[0].get("tokens_per_sec_per_gpu")
