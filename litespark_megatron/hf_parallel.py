@@ -204,8 +204,9 @@ def train(parallel: str, args, plat) -> NoReturn:
             print(f" iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {loss.item():.6E} | "
                   f"grad norm: {norm:.3f}", flush=True)
     telemetry.finish(args.train_iters)
-    # Every rank is past its last collective; leave without torch's process-group teardown, which on gloo can abort
-    # a rank whose peer closed its connections first (SIGABRT after a finished run, seen under load).
+    # Every rank is past its last collective; leave without torch's teardown. On gloo it can abort a rank whose peer
+    # closed its connections first (SIGABRT) or hang it in the group's destructor when DDP's reducer is freed at
+    # interpreter exit (a finished run that never ended): both seen on a loaded CPU machine.
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
