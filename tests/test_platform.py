@@ -206,7 +206,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from litespark_megatron import platform
 
 platform.prepare_libraries() if sys.argv[1] == "fixed" else platform.apply_cpu_shims()
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:%s" % sys.argv[2], rank=0, world_size=1)
+# A file store, not a TCP port: a port taken by another test between its choice and the bind failed this test once.
+torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
 parallel_state.initialize_model_parallel(1, 1)
 cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
 class Tiny(MegatronModule):
@@ -236,17 +237,17 @@ print("AFTER LOAD", len(steps), "params", len({id(t) for t in steps}), "step ten
 
 
 @pytest.mark.skipif(platform.te_importable(), reason="with TE (or Apex) megatron-core uses their Adam: no gap")
-def test_distributed_optimizer_on_torch_adam_resumes(py):
+def test_distributed_optimizer_on_torch_adam_resumes(py, tmp_path):
     """Resuming megatron-core's distributed optimizer on torch's Adam: before the first step its state dict
     asserts (load_checkpoint asks for it then), and a loaded state shares one step tensor among all parameters,
     which torch's Adam then increments once per parameter. Fixed: step 0 before the first step; after a load,
     each parameter its own step. (The placeholder-overwrites-step gap is caught by the DP resume test.)"""
-    original = py("-c", DISTOPT_ON_TORCH_ADAM, "original", free_port())
+    original = py("-c", DISTOPT_ON_TORCH_ADAM, "original", tmp_path / "store-original")
     lines = [line for line in original.stdout.splitlines() if line.startswith(("BEFORE", "AFTER"))]
     assert lines == ["BEFORE FIRST STEP assert", "AFTER LOAD 2 params 1 step tensors [2.0]"], \
         "megatron-core's distributed optimizer on torch Adam changed: recheck the workaround\n" + original.stdout \
         + original.stderr[-3000:]
-    fixed = py("-c", DISTOPT_ON_TORCH_ADAM, "fixed", free_port())
+    fixed = py("-c", DISTOPT_ON_TORCH_ADAM, "fixed", tmp_path / "store-fixed")
     lines = [line for line in fixed.stdout.splitlines() if line.startswith(("BEFORE", "AFTER"))]
     assert lines == ["BEFORE FIRST STEP [0.0]", "AFTER LOAD 2 params 2 step tensors [2.0]"], \
         fixed.stdout + fixed.stderr[-3000:]
