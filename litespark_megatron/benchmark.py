@@ -997,6 +997,18 @@ def build_hf_llama(args, cuda: bool, device):
     return model
 
 
+def hf_adamw(model, lr: float, weight_decay: float, betas, eps: float, cuda: bool):
+    """torch's AdamW for an HF model as megatron-core sets up its own: no weight decay on the norms (1-D
+    parameters); fused on a GPU."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
+                             **({"fused": True} if cuda else {}))
+
+
 def _profile(step_fn, profile_steps: int, cuda: bool) -> Optional[dict]:
     if not profile_steps:
         return None
@@ -1012,11 +1024,7 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     model = build_hf_llama(args, cuda, device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay, as megatron's default
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS,
-                                  **({"fused": True} if cuda else {}))
+    optimizer = hf_adamw(model, LR, WEIGHT_DECAY, BETAS, EPS, cuda)
     forward = torch.compile(model) if system.compile else model
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     accumulation = gbs // mbs

@@ -151,7 +151,7 @@ def train(parallel: str, args, plat) -> NoReturn:
     import torch.distributed as dist
 
     from . import health as health_lib
-    from .benchmark import build_hf_llama, token_batches
+    from .benchmark import build_hf_llama, hf_adamw, token_batches
 
     device = _init_distributed(plat)
     cuda = device.type == "cuda"
@@ -161,12 +161,7 @@ def train(parallel: str, args, plat) -> NoReturn:
     model = build_hf_llama(args, cuda, device)  # the same seed on every rank: the same initial weights
     model.train()
     forward, sync = wrap(model, parallel, device)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay, as megatron's default
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                  **({"fused": True} if cuda else {}))
+    optimizer = hf_adamw(model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps, cuda)
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     per_rank = gbs // world
     accumulation = per_rank // mbs
