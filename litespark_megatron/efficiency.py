@@ -30,7 +30,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -363,12 +362,6 @@ def failure_summary(returncode, log_text: str) -> str:
     return (" | ".join(lines[-3:]) or f"exit status {returncode}")[-400:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> dict:
     """One fresh litespark-train run; returns the state entry (status done / oom / failed)."""
     run_dir = settings.out / "runs" / name
@@ -378,8 +371,9 @@ def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> d
     if settings.nproc == 1:
         cmd = [sys.executable, "-m", "litespark_megatron", *argv]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(settings.nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "litespark_megatron", *argv]
+        # --standalone: torchrun binds a free port itself and holds it
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(settings.nproc),
+               "-m", "litespark_megatron", *argv]
     started = time.time()
     with open(run_dir / "log.txt", "w") as out:
         out.write(" ".join(shlex.quote(c) for c in cmd) + "\n")

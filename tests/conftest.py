@@ -14,10 +14,31 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 
 
+# Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral
+# range: a port-0 choice, closed and handed to a child, was once taken in between by another worker's gloo (which
+# binds ephemeral ports all the time); nothing else hands out these, and no two workers share a block.
+PORT_BLOCK = 1000
+_ports = {"next": None}
+
+
+def _port_block_start() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    return 20000 + PORT_BLOCK * (index % 12)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    start = _port_block_start()
+    for _ in range(PORT_BLOCK):
+        port = _ports["next"] or start
+        _ports["next"] = start + (port + 1 - start) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (or lingering) from an earlier run: the next one
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-{start + PORT_BLOCK - 1}")
 
 
 # What torchrun gives its ranks: a child of the test process is not one unless a test says so (an in-process call

@@ -37,3 +37,35 @@ def test_a_refused_layout_reports_the_trainers_reason(tmp_path, capsys):
     (row,) = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     assert row["rc"] == 1 and row["error"].startswith("litespark-train: error: world size 1 is not divisible by "
                                                       "TP x PP x CP = 3 x 1 x 1 = 3"), row
+
+
+def test_megatron_layouts_beside_hf_ones_train_on_random_tokens(tmp_path, capsys):
+    sweep = load_tool("layout_sweep")
+    mixed = ["--layout", "1:", "--layout", "1:hf-ddp"]
+    assert sweep.main(["--out", str(tmp_path / "refused")] + mixed + SHARED) == 2
+    assert capsys.readouterr().err == (
+        "layout_sweep: error: HF layouts train on random tokens and the megatron layouts on the shared flags' data: "
+        "pass --random-tokens so that every row trains on the same kind of tokens\n")
+    assert not (tmp_path / "refused").exists()
+    assert sweep.main(["--out", str(tmp_path / "refused"), "--random-tokens", "--layout", "1:--data-path x"]
+                      + SHARED) == 2
+    assert capsys.readouterr().err == (
+        "layout_sweep: error: --random-tokens replaces the megatron layouts' data; drop --data-path (from the shared "
+        "flags and the layouts)\n")
+    assert not (tmp_path / "refused").exists()
+
+    out = tmp_path / "sweep"
+    rc = sweep.main(["--out", str(out), "--random-tokens"] + mixed + SHARED)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    megatron_run, hf_run = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0])
+                            for d in sorted(out.glob("[0-9]_np1_*")))
+    assert megatron_run["data"] == f"data: {out / 'random-tokens'}"
+    assert hf_run["data"] == "random tokens (uniform over the vocabulary)"
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    docs = IndexedDataset(str(out / "random-tokens"))
+    assert len(docs) == 4 * 4 and {len(docs[i]) for i in range(len(docs))} == {33}  # a step's sequences per step
+    tokens = [int(t) for i in range(len(docs)) for t in docs[i]]
+    assert 0 <= min(tokens) and max(tokens) < 128 and len(set(tokens)) > 100  # not megatron's counting sequences
+    assert "data: random tokens, uniform over the vocabulary, for every layout" in (out / "sweep.md").read_text()

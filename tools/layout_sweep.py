@@ -14,7 +14,10 @@ A layout whose FLAGS start with `hf-ddp` or `hf-fsdp2` trains HF transformers' L
 data-parallel instead (`litespark_megatron.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
 parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
 Megatron next to Litespark's layouts: `--layout "2:hf-fsdp2" --layout "2:hf-ddp" --layout "2:--tensor-model-parallel-size
-2 --sequence-parallel"`. Each row names what trained (spec and precision from its metrics' run record).
+2 --sequence-parallel"`. Each row names what trained (spec and precision from its metrics' run record). HF layouts
+train on random tokens; megatron layouts beside them must too: `--random-tokens` writes one dataset of random tokens
+(uniform over the vocabulary, the shared flags' shape and batch) and trains every megatron layout on it instead of
+`--mock-data` (the sweep refuses the mix without it).
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,17 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a source checkout: the package next to tools/
     sys.path.insert(0, str(ROOT))
 
+from litespark_megatron.arguments import ConfigError  # noqa: E402
+
 HF_LAYOUTS = ("hf-ddp", "hf-fsdp2")  # a layout's first word: HF transformers under torch's data parallelism
 REFUSALS = ("litespark-train: error: ", "hf_parallel: error: ")  # the trainers' one-line refusals
 ABORT_GRACE_S = 10  # seconds a timed-out run's ranks get to print their stacks before SIGKILL
 FIELDS = ("tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "mem_max_allocated_gb", "gpu_power_w",
           "joules_per_token")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_env(flags) -> dict:
@@ -123,6 +121,39 @@ def steady_state(metrics: Path) -> dict:
     return out
 
 
+DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--embedded-corpus")
+
+
+def data_error(layouts, shared, random_tokens: bool):
+    """Why the sweep's data would make its rows incomparable, or None. The HF layouts train on random tokens; a
+    megatron layout beside them must too: megatron-core's mock data (counting sequences) was measured to train Litespark FP8
+    about 5% faster than random tokens on an H200 (on different days), so such a table could favour the megatron
+    rows."""
+    hf = any(flags and flags[0] in HF_LAYOUTS for _, flags in layouts)
+    megatron = any(not (flags and flags[0] in HF_LAYOUTS) for _, flags in layouts)
+    layout_data = [f for _, flags in layouts for f in flags if f.split("=", 1)[0] in DATA_FLAGS]
+    if random_tokens:
+        given = [f for f in shared if f.split("=", 1)[0] in DATA_FLAGS and f != "--mock-data"] + layout_data
+        if given:
+            return (f"--random-tokens replaces the megatron layouts' data; drop {given[0]} (from the shared flags "
+                    "and the layouts)")
+        return None
+    if hf and megatron:
+        return ("HF layouts train on random tokens and the megatron layouts on the shared flags' data: pass "
+                "--random-tokens so that every row trains on the same kind of tokens")
+    return None
+
+
+def random_token_data(shared, prefix: Path):
+    """The shared flags with --mock-data replaced by a dataset of random tokens: one step's sequences for each of
+    --train-iters steps (the shape and batch of the shared flags; a layout that asks for more reads it again)."""
+    from litespark_megatron.arguments import resolve_quietly
+    from litespark_megatron.benchmark import random_token_flags
+
+    args = resolve_quietly(shared)
+    return random_token_flags(shared, args, str(prefix), args.global_batch_size * args.train_iters, args.seed)
+
+
 def failure_reason(lines) -> str:
     """Why a run failed, in one line, from its log: torchrun's report at the end names only exit codes and signals.
     The trainer's one-line refusal if there is one; else running out of GPU memory (the allocation that failed);
@@ -154,6 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--allow-degraded", action="store_true",
                    help="exit 0 even if a layout fell back (unfused attention, a fused path asked for but off); "
                         "it stays flagged DEGRADED in the table")
+    p.add_argument("--random-tokens", action="store_true",
+                   help="the megatron layouts train on random tokens, uniform over the vocabulary (the HF layouts' "
+                        "data), written once to OUT/random-tokens.bin/.idx, instead of the shared flags' --mock-data; "
+                        "needed to compare with an HF layout")
     args = p.parse_args(own)
     layouts = []
     for spec in args.layout:
@@ -168,17 +203,28 @@ def main(argv=None) -> int:
             print(f"layout_sweep: error: --layout {nproc}:{flags[0]}: unknown HF layout; use one of "
                   f"{', '.join(HF_LAYOUTS)}", file=sys.stderr)
             return 2
+    error = data_error(layouts, shared, args.random_tokens)
+    if error:
+        print(f"layout_sweep: error: {error}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        megatron_shared = random_token_data(shared, out / "random-tokens") if args.random_tokens else shared
+    except ConfigError as e:
+        print(f"layout_sweep: error: the shared flags: {e}", file=sys.stderr)
+        return 2
     rows = []
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
-        trainer, own = (("litespark_megatron.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]])
-                        if flags and flags[0] in HF_LAYOUTS else ("litespark_megatron", flags))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", trainer, *shared, *own,
-               "--metrics-file", str(run_dir / "metrics.jsonl")]
+        trainer, own, common = (("litespark_megatron.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]],
+                                 shared) if flags and flags[0] in HF_LAYOUTS else
+                                ("litespark_megatron", flags, megatron_shared))
+        # --standalone: torchrun binds its own free port and holds it (a port chosen here and bound later by the run
+        # could be taken in between)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+               trainer, *common, *own, "--metrics-file", str(run_dir / "metrics.jsonl")]
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "log.txt", "w") as log:
             log.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -198,7 +244,8 @@ def main(argv=None) -> int:
     for row in rows:
         value = row.get("tokens_per_sec_per_gpu")
         row["ratio_per_gpu_vs_first"] = value / base if value and base else None
-    (out / "sweep.json").write_text(json.dumps({"shared_flags": shared, "rows": rows}, indent=1))
+    (out / "sweep.json").write_text(json.dumps({"shared_flags": shared, "random_tokens": args.random_tokens,
+                                                "rows": rows}, indent=1))
 
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)
@@ -226,7 +273,9 @@ def main(argv=None) -> int:
                      f"{fmt(r['mfu'], '.1%')} | {fmt(r['mem_max_allocated_gb'], '.1f')} | "
                      f"{fmt(r['gpu_power_w'], '.0f')} | {fmt(r['joules_per_token'], '.4f')} | {ran} |")
     table = "\n".join(lines)
-    (out / "sweep.md").write_text("shared flags: `" + " ".join(shared) + "`\n\n" + table + "\n")
+    data = ("\n\ndata: random tokens, uniform over the vocabulary, for every layout (megatron layouts: "
+            f"{out / 'random-tokens'})" if args.random_tokens else "")
+    (out / "sweep.md").write_text("shared flags: `" + " ".join(shared) + "`" + data + "\n\n" + table + "\n")
     print(table)
     for what in degraded:
         print(f"layout_sweep: DEGRADED layout {what}" +
