@@ -370,6 +370,15 @@ def check(args, plat, world: Optional[int] = None) -> None:
     if args.fp8 and not plat.fp8_capable:
         raise ConfigError("--fp8-format needs a GPU with FP8 tensor cores (compute capability >= 8.9, e.g. "
                           "H100/H200) and Transformer Engine; use --bf16")
+    _check_cuda_graphs(args, plat)
+    if not plat.te:  # options that exist only as Transformer Engine kernels; megatron-core fails on them mid-setup
+        where = "on a CPU: drop it" if plat.device_type == "cpu" else "here: pip install -e '.[te]'"
+        if args.use_precision_aware_optimizer:
+            raise ConfigError("--use-precision-aware-optimizer runs Transformer Engine's FusedAdam, which is not "
+                              f"importable {where}")
+        if args.tp_comm_overlap:
+            raise ConfigError("--tp-comm-overlap runs Transformer Engine's userbuffers, which is not importable "
+                              f"{where}")
     if args.core_attention != "sdpa":
         _check_core_attention(args, plat)
     if args.fp8_dot_product_attention:
@@ -474,6 +483,24 @@ def _check_nsa(args, plat) -> None:
                                       NSASettings(args.nsa_block_size, selected, args.nsa_window))
         if problem:
             raise ConfigError(f"--attention-variant nsa: {problem}")
+
+
+def _check_cuda_graphs(args, plat) -> None:
+    """CUDA graphs where they cannot be captured: megatron-core would fail inside its first step with an
+    AttributeError (CPU) or an ImportError (no TE)."""
+    impl = args.cuda_graph_impl
+    if impl == "none":  # Megatron-LM's deprecated spellings of the two implementations
+        impl = "local" if getattr(args, "enable_cuda_graph", False) else \
+            "transformer_engine" if getattr(args, "external_cuda_graph", False) else "none"
+    if impl == "none":
+        return
+    if plat.device_type != "cuda":
+        raise ConfigError(f"--cuda-graph-impl {impl} captures the step's CUDA kernels into graphs: it needs a GPU; "
+                          "drop it on a CPU")
+    if impl == "transformer_engine" and not plat.te:
+        raise ConfigError("--cuda-graph-impl transformer_engine captures with Transformer Engine's "
+                          "make_graphed_callables, and Transformer Engine is not importable here: install it "
+                          "(pip install -e '.[te]') or use --cuda-graph-impl local")
 
 
 def _check_run_control(args) -> None:

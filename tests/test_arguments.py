@@ -11,6 +11,7 @@ from litespark_megatron.platform import Platform
 
 CPU = Platform("cpu", "gloo", False, False, "cpu")
 GPU_TE = Platform("cuda", "nccl", True, True, "NVIDIA H200")
+GPU_NO_TE = Platform("cuda", "nccl", False, False, "NVIDIA H200")
 
 
 def resolve(argv, plat=CPU):
@@ -128,6 +129,18 @@ def test_mla_replaces_the_presets_grouped_query_attention():
     (["--transformer-impl", "transformer_engine"], 1, CPU, "needs Transformer Engine, which is not importable on "
      "a CPU: use --transformer-impl local"),
     (["--fp8-format", "hybrid"], 1, CPU, "--fp8-format needs a GPU with FP8 tensor cores"),
+    (["--cuda-graph-impl", "transformer_engine"], 1, CPU, "--cuda-graph-impl transformer_engine captures the step's "
+     "CUDA kernels into graphs: it needs a GPU; drop it on a CPU"),
+    (["--use-distributed-optimizer", "--use-precision-aware-optimizer"], 1, CPU, "--use-precision-aware-optimizer "
+     "runs Transformer Engine's FusedAdam, which is not importable on a CPU: drop it"),
+    (["--transformer-impl", "local", "--use-distributed-optimizer", "--use-precision-aware-optimizer"], 1, GPU_NO_TE,
+     "FusedAdam, which is not importable here: pip install -e '.[te]'"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], 2, CPU,
+     "--tp-comm-overlap runs Transformer Engine's userbuffers, which is not importable on a CPU: drop it"),
+    (["--cuda-graph-impl", "local"], 1, CPU, "--cuda-graph-impl local captures the step's CUDA kernels"),
+    (["--enable-cuda-graph"], 1, CPU, "--cuda-graph-impl local captures the step's CUDA kernels"),
+    (["--transformer-impl", "local", "--cuda-graph-impl", "transformer_engine"], 1, GPU_NO_TE, "--cuda-graph-impl transformer_engine captures with "
+     "Transformer Engine's make_graphed_callables, and Transformer Engine is not importable here"),
     (["--spec", "stock-local", "--context-parallel-size", "2"], 2, CPU, "the stock local spec's attention"),
     (["--normalization", "LayerNorm"], 1, CPU, "--spec litespark computes a Llama layer"),
     pytest.param(["--spec", "stock-local"], 1, GPU_TE, "megatron-core's local layer without Apex uses torch's "

@@ -53,6 +53,11 @@ def test_megatron_layouts_beside_hf_ones_train_on_random_tokens(tmp_path, capsys
         "layout_sweep: error: --random-tokens replaces the megatron layouts' data; drop --data-path (from the shared "
         "flags and the layouts)\n")
     assert not (tmp_path / "refused").exists()
+    assert sweep.main(["--out", str(tmp_path / "refused"), "--random-tokens", "--layout", "1:", "--",
+                       "--model", "llama-9z"]) == 2
+    assert capsys.readouterr().err.startswith("layout_sweep: error: --random-tokens needs the model's shape from "
+                                              "the shared flags: ")
+    assert not (tmp_path / "refused").exists()
 
     out = tmp_path / "sweep"
     rc = sweep.main(["--out", str(out), "--random-tokens"] + mixed + SHARED)

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a source checkout: the package next to tools/
     sys.path.insert(0, str(ROOT))
 
-from litespark_megatron.arguments import ConfigError  # noqa: E402
+from litespark_megatron.arguments import ConfigError, resolve_quietly  # noqa: E402
 
 HF_LAYOUTS = ("hf-ddp", "hf-fsdp2")  # a layout's first word: HF transformers under torch's data parallelism
 REFUSALS = ("litespark-train: error: ", "hf_parallel: error: ")  # the trainers' one-line refusals
@@ -126,9 +126,9 @@ DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--embedded-cor
 
 def data_error(layouts, shared, random_tokens: bool):
     """Why the sweep's data would make its rows incomparable, or None. The HF layouts train on random tokens; a
-    megatron layout beside them must too: megatron-core's mock data (counting sequences) was measured to train Litespark FP8
-    about 5% faster than random tokens on an H200 (on different days), so such a table could favour the megatron
-    rows."""
+    megatron layout beside them must too: on megatron-core's mock data (counting sequences) Litespark FP8 was
+    measured about 5% faster than on random tokens (one H200, different days), so such a table could favour the
+    megatron rows."""
     hf = any(flags and flags[0] in HF_LAYOUTS for _, flags in layouts)
     megatron = any(not (flags and flags[0] in HF_LAYOUTS) for _, flags in layouts)
     layout_data = [f for _, flags in layouts for f in flags if f.split("=", 1)[0] in DATA_FLAGS]
@@ -144,13 +144,12 @@ def data_error(layouts, shared, random_tokens: bool):
     return None
 
 
-def random_token_data(shared, prefix: Path):
+def random_token_data(shared, args, prefix: Path):
     """The shared flags with --mock-data replaced by a dataset of random tokens: one step's sequences for each of
-    --train-iters steps (the shape and batch of the shared flags; a layout that asks for more reads it again)."""
-    from litespark_megatron.arguments import resolve_quietly
+    --train-iters steps (the shape and batch of the shared flags, `args`; a layout that asks for more reads it
+    again)."""
     from litespark_megatron.benchmark import random_token_flags
 
-    args = resolve_quietly(shared)
     return random_token_flags(shared, args, str(prefix), args.global_batch_size * args.train_iters, args.seed)
 
 
@@ -207,13 +206,16 @@ def main(argv=None) -> int:
     if error:
         print(f"layout_sweep: error: {error}", file=sys.stderr)
         return 2
+    if args.random_tokens:
+        try:
+            shape = resolve_quietly(shared)
+        except ConfigError as e:
+            print(f"layout_sweep: error: --random-tokens needs the model's shape from the shared flags: {e}",
+                  file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        megatron_shared = random_token_data(shared, out / "random-tokens") if args.random_tokens else shared
-    except ConfigError as e:
-        print(f"layout_sweep: error: the shared flags: {e}", file=sys.stderr)
-        return 2
+    megatron_shared = random_token_data(shared, shape, out / "random-tokens") if args.random_tokens else shared
     rows = []
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
