@@ -3,12 +3,19 @@ test that builds a model runs it in its own process (or torchrun group) with its
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# The stop tests send the runs they start Ctrl-C's SIGINT. A test session started in the background of a
+# non-interactive shell (`nohup ... &`) inherits SIGINT ignored, its children would too, and bash cannot trap a
+# signal ignored at its entry: their handlers would never run. Children inherit the default instead.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
