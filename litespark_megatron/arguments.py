@@ -486,8 +486,8 @@ def _check_nsa(args, plat) -> None:
 
 
 def _check_cuda_graphs(args, plat) -> None:
-    """CUDA graphs where they cannot be captured: megatron-core would fail inside its first step with an
-    AttributeError (CPU) or an ImportError (no TE)."""
+    """CUDA graphs where they cannot be captured: megatron-core would fail inside its setup (on a CPU with an
+    AttributeError on a CUDA stream)."""
     impl = args.cuda_graph_impl
     if impl == "none":  # Megatron-LM's deprecated spellings of the two implementations
         impl = "local" if getattr(args, "enable_cuda_graph", False) else \
