@@ -1,6 +1,7 @@
 """Helpers to run code in fresh processes: megatron-core keeps global state (process groups, CPU shims), so every
 test that builds a model runs it in its own process (or torchrun group) with its own port."""
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -25,27 +26,20 @@ TESTS = ROOT / "tests"
 # range: a port-0 choice, closed and handed to a child, was once taken in between by another worker's gloo (which
 # binds ephemeral ports all the time); nothing else hands out these, and no two workers share a block.
 PORT_BLOCK = 1000
-_ports = {"next": None}
-
-
-def _port_block_start() -> int:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    return 20000 + PORT_BLOCK * (index % 12)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+_PORT_START = 20000 + PORT_BLOCK * ((int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0) % 12)
+_PORTS = itertools.cycle(range(_PORT_START, _PORT_START + PORT_BLOCK))
 
 
 def free_port() -> int:
-    start = _port_block_start()
-    for _ in range(PORT_BLOCK):
-        port = _ports["next"] or start
-        _ports["next"] = start + (port + 1 - start) % PORT_BLOCK
+    for port in itertools.islice(_PORTS, PORT_BLOCK):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:  # in use (or lingering) from an earlier run: the next one
                 continue
             return port
-    raise RuntimeError(f"no free port in {start}-{start + PORT_BLOCK - 1}")
+    raise RuntimeError(f"no free port in {_PORT_START}-{_PORT_START + PORT_BLOCK - 1}")
 
 
 # What torchrun gives its ranks: a child of the test process is not one unless a test says so (an in-process call

@@ -124,13 +124,17 @@ def steady_state(metrics: Path) -> dict:
 DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--embedded-corpus")
 
 
+def is_hf(flags) -> bool:
+    return bool(flags) and flags[0] in HF_LAYOUTS
+
+
 def data_error(layouts, shared, random_tokens: bool):
     """Why the sweep's data would make its rows incomparable, or None. The HF layouts train on random tokens; a
     megatron layout beside them must too: on megatron-core's mock data (counting sequences) Litespark FP8 was
     measured about 5% faster than on random tokens (one H200, different days), so such a table could favour the
     megatron rows."""
-    hf = any(flags and flags[0] in HF_LAYOUTS for _, flags in layouts)
-    megatron = any(not (flags and flags[0] in HF_LAYOUTS) for _, flags in layouts)
+    hf = any(is_hf(flags) for _, flags in layouts)
+    megatron = any(not is_hf(flags) for _, flags in layouts)
     layout_data = [f for _, flags in layouts for f in flags if f.split("=", 1)[0] in DATA_FLAGS]
     if random_tokens:
         given = [f for f in shared if f.split("=", 1)[0] in DATA_FLAGS and f != "--mock-data"] + layout_data
@@ -221,7 +225,7 @@ def main(argv=None) -> int:
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
         trainer, own, common = (("litespark_megatron.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]],
-                                 shared) if flags and flags[0] in HF_LAYOUTS else
+                                 shared) if is_hf(flags) else
                                 ("litespark_megatron", flags, megatron_shared))
         # --standalone: torchrun binds its own free port and holds it (a port chosen here and bound later by the run
         # could be taken in between)
