@@ -109,12 +109,14 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--data-seed", type=int, default=None, metavar="N",
                    help="the seed of the data order (the datasets' shuffle); default: --seed. Runs that differ in "
                         "--seed alone then also differ in their data; the same --data-seed keeps it")
-    g.add_argument("--core-attention", choices=("sdpa", "te"), default="sdpa",
+    g.add_argument("--core-attention", choices=("auto", "sdpa", "te"), default="auto",
                    help="the Litespark layer's attention kernel: 'sdpa', torch's scaled_dot_product_attention "
-                        "(cuDNN or flash attention on a GPU; runs anywhere), or 'te', Transformer Engine's "
-                        "DotProductAttention as the stock TE layer runs it (cuDNN fused attention without "
-                        "permutes, FP8 with --fp8-attention, TE's context parallelism; --transformer-impl "
-                        "transformer_engine). Default: sdpa")
+                        "(cuDNN or flash attention on a GPU; runs anywhere; its own all-gather context "
+                        "parallelism), or 'te', Transformer Engine's DotProductAttention as the stock TE layer runs "
+                        "it (cuDNN fused attention without permutes, FP8 with --fp8-attention, TE's context "
+                        "parallelism; --transformer-impl transformer_engine). Default 'auto': te under context "
+                        "parallelism on the te backend (TE's ring attention was 6-9%% faster than the all-gather), "
+                        "sdpa otherwise")
     g.add_argument("--fp8-attention", dest="fp8_dot_product_attention", action="store_true",
                    help="attention in FP8 as well: Transformer Engine's FP8 dot-product attention (Hopper), with "
                         "--fp8-format, on --spec stock-te or --spec litespark --core-attention te (megatron-core's "
@@ -597,6 +599,19 @@ def model_config_check(args) -> None:
         raise ConfigError(f"the model cannot be built: {str(e).strip().splitlines()[0]}") from None
 
 
+def resolve_core_attention(args) -> None:
+    """--core-attention auto -> the kernel this run takes: TE's DotProductAttention where the Litespark layer runs
+    dense GQA/MHA attention on the te backend under context parallelism (TE's ring attention, as stock runs it,
+    was 6-9% faster than the Litespark all-gather attention: llama-1b, 16k tokens, CP2, two H200s,
+    docs/benchmarks/2026-11-26-cp-tp-overlap-hf-best-2xh200.md), torch SDPA everywhere else (as fast as TE's at
+    micro-batch 1 and 4 on one H200, and it runs on every backend)."""
+    if args.core_attention != "auto":
+        return
+    te_ring = args.litespark_spec == "litespark" and args.transformer_impl == "transformer_engine" and \
+        args.context_parallel_size > 1 and args.attention_variant == "dense" and not args.multi_latent_attention
+    args.core_attention = "te" if te_ring else "sdpa"
+
+
 def _check_core_attention(args, plat) -> None:
     """--core-attention te: Transformer Engine's DotProductAttention in the Litespark layer."""
     if args.litespark_spec != "litespark":
@@ -690,6 +705,7 @@ def resolve(argv: Sequence[str], plat) -> argparse.Namespace:
     try:
         args = parse_args(add_litespark_args)
         resolve_spec(args, argv)
+        resolve_core_attention(args)
     finally:
         sys.argv = saved
     return args
@@ -777,10 +793,11 @@ def _check_checkpoint(args, load_dir: Optional[str]) -> None:
 
 def _te_only_state(args) -> List[str]:
     """The `_extra_state` (FP8 metadata) a Transformer Engine run's model saves and a checkpoint of megatron-core's
-    local modules lacks: TE's final norm, and on megatron-core's own layer TE's core attention (the Litespark core
-    attention, its linears and megatron-core's have one on every backend)."""
+    local modules lacks: TE's final norm, and TE's core attention where this run has it (megatron-core's own layer;
+    the Litespark layer with --core-attention te, the default under context parallelism), which a checkpoint of
+    the Litespark layer's torch SDPA attention lacks too. The linears have one on every backend."""
     state = ["decoder.final_layernorm._extra_state"]
-    if args.litespark_spec in ("stock", "stock-te"):
+    if args.litespark_spec in ("stock", "stock-te") or args.core_attention == "te":
         state.append("decoder.layers.self_attention.core_attention._extra_state")
     return state
 

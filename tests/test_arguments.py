@@ -285,6 +285,57 @@ def test_core_attention_te_builds_tes_attention_into_the_litespark_layer(monkeyp
         assert str(e.value) == message
 
 
+def test_core_attention_auto_takes_tes_ring_attention_under_context_parallelism(monkeypatch):
+    """The default --core-attention auto: the Litespark layer's dense attention on the te backend under context
+    parallelism is Transformer Engine's DotProductAttention (its ring attention measured faster than the
+    all-gather); one GPU, the local backend, MLA, stock's own layer and an explicit --core-attention sdpa keep
+    their attention. The model config built from the arguments carries the choice (checked with GPU platform
+    values: no TE here)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.transformer import transformer_block
+
+    from litespark_megatron.layers import LitesparkCoreAttention
+    from litespark_megatron.model import model_config_from_args
+
+    monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: 2)  # no PP
+    te, cp2 = ["--transformer-impl", "transformer_engine"], ["--context-parallel-size", "2"]
+
+    def checked(argv, world=2):
+        args = resolve(TINY + argv + ["--no-rope-fusion"], GPU_TE)  # no TE here: its fused RoPE cannot be asked for
+        arguments.check_run(args, GPU_TE, world)
+        return args
+
+    def chosen(argv, world=2):
+        return checked(argv, world).core_attention
+
+    def built(args):
+        config = model_config_from_args(args)
+        return config.transformer_layer_spec(config).layer_specs[0].submodules.self_attention.submodules.core_attention
+
+    assert resolve(TINY).core_attention == "sdpa"  # resolved as the arguments are read: "auto" never reaches a model
+    assert chosen(te + cp2) == "te"
+    assert built(checked(te + cp2)) is TEDotProductAttention
+    assert built(checked(te, world=1)) is LitesparkCoreAttention
+    assert chosen(te, world=1) == "sdpa"
+    assert chosen(te + cp2 + ["--core-attention", "sdpa"]) == "sdpa"
+    assert chosen(["--transformer-impl", "local"] + cp2) == "sdpa"
+    assert chosen(te + cp2 + ["--spec", "stock-te"]) == "sdpa"  # stock's own attention; nothing refused
+    mla = ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16",
+           "--v-head-dim", "32"]
+    assert chosen(te + cp2 + mla) == "sdpa"
+
+
+def test_a_checkpoint_without_tes_core_attention_state_is_loadable_where_the_run_has_it():
+    """A checkpoint of the Litespark layer's SDPA attention has no `_extra_state` of TE's core attention; a run that
+    has TE's (stock's layer, or --core-attention te: the default under CP) lists it as state it may start fresh."""
+    key = "decoder.layers.self_attention.core_attention._extra_state"
+    te = ["--transformer-impl", "transformer_engine", "--no-rope-fusion"]
+    assert key not in arguments._te_only_state(resolve(TINY + te, GPU_TE))
+    assert key in arguments._te_only_state(resolve(TINY + te + ["--context-parallel-size", "2"], GPU_TE))
+    assert key in arguments._te_only_state(resolve(TINY + te + ["--core-attention", "te"], GPU_TE))
+    assert key in arguments._te_only_state(resolve(TINY + ["--spec", "stock-te", "--no-rope-fusion"], GPU_TE))
+
+
 def test_nsa_on_a_gpu_needs_fla_core_and_a_shape_its_kernels_run(monkeypatch):
     """Checked with a GPU platform value: without fla-core the run is refused with the install command; with it,
     eff-0.5b's 4 query heads per KV head are refused (fla-core's kernels need 16, a power of 2) with the flag that
