@@ -48,6 +48,9 @@ class HFTelemetry(Telemetry):
     def _warn_without_te_fused_attention(self) -> None:
         pass  # the HF model runs torch's SDPA, not TE's attention: its kernel is in the health record
 
+    def describe_data(self, args) -> str:
+        return "random tokens (uniform over the vocabulary)"  # token_batches, whatever data flags were given
+
 
 def parse(argv: Sequence[str]):
     """(--parallel, the resolved litespark-train args); ConfigError (one line) for what HF cannot run."""
@@ -157,7 +160,6 @@ def train(parallel: str, args, plat) -> NoReturn:
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     telemetry = HFTelemetry(args, plat)
-    telemetry._run_record["data"] = "random tokens (uniform over the vocabulary)"
     model = build_hf_llama(args, cuda, device)  # the same seed on every rank: the same initial weights
     model.train()
     forward, sync = wrap(model, parallel, device)

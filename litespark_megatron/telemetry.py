@@ -98,7 +98,11 @@ class Telemetry:
             world_size=self.world, params=param_count(shape).total, flops_per_step_full=self.flops_full,
             flops_per_step_causal=self.flops_causal, tokens_per_step=self.tokens_per_step, precision=_precision(args),
             device=self.device_name if self.cuda else "cpu", spec=getattr(args, "litespark_spec", None),
-            transformer_impl=args.transformer_impl, data=_data_description(args))
+            transformer_impl=args.transformer_impl, data=self.describe_data(args))
+
+    def describe_data(self, args) -> str:
+        """The run record's data line (a trainer that draws its own tokens says so instead)."""
+        return _data_description(args)
 
     def begin(self):
         """Called before the first forward of the run (megatron has set this rank's device): the first interval

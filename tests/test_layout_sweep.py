@@ -30,13 +30,18 @@ def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
 
 
 def test_a_refused_layout_reports_the_trainers_reason(tmp_path, capsys):
+    """...and the ratios are taken against the first layout that trained, which sweep.md names."""
     sweep = load_tool("layout_sweep")
-    rc = sweep.main(["--out", str(tmp_path), "--layout", "1:--tensor-model-parallel-size 3"] + SHARED)
+    rc = sweep.main(["--out", str(tmp_path), "--layout", "1:--tensor-model-parallel-size 3", "--layout", "1:"] + SHARED)
     capsys.readouterr()
     assert rc == 1
-    (row,) = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    sweep_json = json.loads((tmp_path / "sweep.json").read_text())
+    row, trained = sweep_json["rows"]
     assert row["rc"] == 1 and row["error"].startswith("litespark-train: error: world size 1 is not divisible by "
                                                       "TP x PP x CP = 3 x 1 x 1 = 3"), row
+    assert row["ratio_per_gpu_vs_first"] is None and trained["ratio_per_gpu_vs_first"] == 1.0
+    assert sweep_json["ratio_base"] == "1:(none)"
+    assert "ratios against the first layout that trained: 1:(none)" in (tmp_path / "sweep.md").read_text()
 
 
 def test_megatron_layouts_beside_hf_ones_train_on_random_tokens(tmp_path, capsys):

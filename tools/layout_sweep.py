@@ -8,7 +8,8 @@
 Each layout is `NPROC:FLAGS`; the flags after `--` are shared. Each run is a fresh `torchrun -m litespark_megatron`
 writing its own metrics.jsonl; the table takes the mean over the log records after the first (warm-up) of
 tokens/s per GPU, TFLOP/s per GPU, MFU, peak memory, GPU power and J/token, and the ratio of each layout's
-tokens/s per GPU to the first layout's. Writes OUT/sweep.md and OUT/sweep.json.
+tokens/s per GPU to the first layout's (the first that trained, where an earlier one failed: sweep.md names it).
+Writes OUT/sweep.md and OUT/sweep.json.
 
 A layout whose FLAGS start with `hf-ddp` or `hf-fsdp2` trains HF transformers' Llama of the same shape and batch
 data-parallel instead (`litespark_megatron.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
@@ -246,12 +247,15 @@ def main(argv=None) -> int:
                             failure_reason((run_dir / "log.txt").read_text(errors="replace").splitlines()))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    base = rows[0].get("tokens_per_sec_per_gpu")
+    # Ratios against the first layout that trained: a first layout that failed would leave every ratio empty.
+    base_row = next((r for r in rows if r.get("tokens_per_sec_per_gpu")), None)
+    base = base_row["tokens_per_sec_per_gpu"] if base_row else None
     for row in rows:
         value = row.get("tokens_per_sec_per_gpu")
         row["ratio_per_gpu_vs_first"] = value / base if value and base else None
+    ratio_base = f"{base_row['nproc']}:{base_row['flags']}" if base_row else None
     (out / "sweep.json").write_text(json.dumps({"shared_flags": shared, "random_tokens": args.random_tokens,
-                                                "rows": rows}, indent=1))
+                                                "ratio_base": ratio_base, "rows": rows}, indent=1))
 
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)
@@ -281,6 +285,8 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     data = ("\n\ndata: random tokens, uniform over the vocabulary, for every layout (megatron layouts: "
             f"{out / 'random-tokens'})" if args.random_tokens else "")
+    if base_row is not None and base_row is not rows[0]:
+        data += f"\n\nratios against the first layout that trained: {ratio_base}"
     (out / "sweep.md").write_text("shared flags: `" + " ".join(shared) + "`" + data + "\n\n" + table + "\n")
     print(table)
     for what in degraded:
