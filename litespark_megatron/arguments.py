@@ -79,6 +79,7 @@ CPU_FLAGS = {"distributed-backend": "gloo", "transformer-impl": "local", "no-gra
              "no-rope-fusion": True, "no-persist-layer-norm": True, "no-masked-softmax-fusion": True,
              "no-bias-dropout-fusion": True, "no-bias-swiglu-fusion": True}
 SPEC_NAMES = ("litespark", "stock", "stock-te", "stock-local")
+LITESPARK_SPEC = ["litespark_megatron.specs", "litespark_layer_spec"]  # --spec litespark as Megatron-LM's pair
 EMBEDDED_CORPORA = ("stdlib",)
 
 
@@ -298,7 +299,7 @@ def resolve_spec(args, user_argv: Sequence[str] = ()) -> None:
             raise ConfigError(f"--spec {name} means --transformer-impl {impl}, not {args.transformer_impl}")
         args.transformer_impl = impl
     args.litespark_spec = name
-    args.spec = ["litespark_megatron.specs", "litespark_layer_spec"] if name == "litespark" else None
+    args.spec = list(LITESPARK_SPEC) if name == "litespark" else None
 
 
 def world_size() -> int:
@@ -605,8 +606,9 @@ def resolve_core_attention(args) -> None:
     was 6-9% faster than the Litespark all-gather attention: llama-1b, 16k tokens, CP2, two H200s,
     docs/benchmarks/2026-11-26-cp-tp-overlap-hf-best-2xh200.md), torch SDPA everywhere else (as fast as TE's at
     micro-batch 1 and 4 on one H200, and it runs on every backend)."""
-    if args.core_attention != "auto":
+    if args.core_attention != "auto" and not getattr(args, "core_attention_auto", False):
         return
+    args.core_attention_auto = True  # decided again if --use-checkpoint-args changes what it depends on
     te_ring = args.litespark_spec == "litespark" and args.transformer_impl == "transformer_engine" and \
         args.context_parallel_size > 1 and args.attention_variant == "dense" and not args.multi_latent_attention
     args.core_attention = "te" if te_ring else "sdpa"
@@ -811,6 +813,18 @@ def parse(argv: Sequence[str], plat) -> argparse.Namespace:
     return args
 
 
+def follow_checkpoint_args(args) -> None:
+    """After Megatron-LM's --use-checkpoint-args: it takes the checkpoint's --spec over the command line's (a
+    Litespark checkpoint's module/function pair; a stock checkpoint saved none, which leaves the command line's), so
+    the spec's name here (checks, the run record) follows what will be built, and an automatic core attention is
+    decided again for it."""
+    if args.spec == LITESPARK_SPEC:
+        args.litespark_spec = "litespark"
+    elif args.spec and args.litespark_spec != "custom":
+        args.litespark_spec = "custom"
+    resolve_core_attention(args)
+
+
 def parse_checked(argv: Sequence[str], plat) -> argparse.Namespace:
     """argv -> megatron.training's validated args, not yet its global args (which open TensorBoard and W&B)."""
     args = resolve(argv, plat)
@@ -821,6 +835,7 @@ def parse_checked(argv: Sequence[str], plat) -> argparse.Namespace:
             raise ConfigError("--use-checkpoint-args needs --load or --pretrained-checkpoint")
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
+        follow_checkpoint_args(args)
     check(args, plat)
     megatron_validate(args)
     model_config_check(args)

@@ -936,13 +936,19 @@ def measure(step_fn: Callable[[], float], tokens_per_step: int, warmup: int, ste
     return out
 
 
-def token_batches(count: int, global_batch_size: int, seq_length: int, vocab_size: int, seed: int):
-    """`count` global batches of (global_batch_size, seq_length + 1) random tokens, made before timing starts,
-    on the CPU (as a data loader hands them over), the same for every system."""
+def iter_token_batches(count: int, global_batch_size: int, seq_length: int, vocab_size: int, seed: int):
+    """`count` global batches of (global_batch_size, seq_length + 1) random tokens, uniform over the vocabulary,
+    drawn one at a time on the CPU (as a data loader hands them over): the same sequence for every system."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (global_batch_size, seq_length + 1), generator=g) for _ in range(count)]
+    for _ in range(count):
+        yield torch.randint(0, vocab_size, (global_batch_size, seq_length + 1), generator=g)
+
+
+def token_batches(count: int, global_batch_size: int, seq_length: int, vocab_size: int, seed: int):
+    """iter_token_batches' batches, all made before timing starts."""
+    return list(iter_token_batches(count, global_batch_size, seq_length, vocab_size, seed))
 
 
 def hf_config_kwargs(args) -> dict:

@@ -24,7 +24,9 @@ any flag that makes the model other than Llama's (MoE, MLA, NSA, NoPE, LayerNorm
 
 Writes metrics.jsonl records in docs/metrics.md's schema through litespark-train's own Telemetry (intervals,
 tokens/s, TFLOP/s and MFU in both conventions, NVML energy of every GPU, peak memory, forward time per rank, what ran:
-the SDPA kernel), so `tools/layout_sweep.py` tabulates it beside Litespark's layouts (`--layout 2:hf-fsdp2`).
+the SDPA kernel), so `tools/layout_sweep.py` tabulates it beside Litespark's layouts (`--layout 2:hf-fsdp2`), and
+with `--tensorboard-dir` the same TensorBoard scalars as a litespark-train run, its loss, gradient norm and learning
+rate under megatron.training's tags.
 """
 from __future__ import annotations
 
@@ -49,7 +51,35 @@ class HFTelemetry(Telemetry):
         pass  # the HF model runs torch's SDPA, not TE's attention: its kernel is in the health record
 
     def describe_data(self, args) -> str:
-        return "random tokens (uniform over the vocabulary)"  # token_batches, whatever data flags were given
+        return "random tokens (uniform over the vocabulary)"  # iter_token_batches, whatever data flags were given
+
+    _writer = None
+
+    def _tensorboard_writer(self):
+        """Its own writer on --tensorboard-dir (megatron.training, which opens one, does not run here)."""
+        if not self.is_writer or not self.args.tensorboard_dir:
+            return None
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(self.args.tensorboard_dir)
+        return self._writer
+
+    def _tensorboard(self, iteration: int, record: dict) -> None:
+        """Telemetry's scalars, and what megatron.training itself would write, under its tags: an HF run's curves
+        overlay a Litespark run's in one TensorBoard."""
+        super()._tensorboard(iteration, record)
+        writer = self._tensorboard_writer()
+        if writer is not None:
+            for tag, key in (("lm loss", "loss"), ("grad-norm", "grad_norm"), ("learning-rate", "lr")):
+                if record.get(key) is not None:
+                    writer.add_scalar(tag, record[key], iteration)
+
+    def finish(self, iteration: int) -> None:
+        super().finish(iteration)
+        if self._writer is not None:  # the process leaves through os._exit: nothing would flush it after this
+            self._writer.close()
+            self._writer = None
 
 
 def parse(argv: Sequence[str]):
@@ -154,7 +184,7 @@ def train(parallel: str, args, plat) -> NoReturn:
     import torch.distributed as dist
 
     from . import health as health_lib
-    from .benchmark import build_hf_llama, hf_adamw, token_batches
+    from .benchmark import build_hf_llama, hf_adamw, iter_token_batches
 
     device = _init_distributed(plat)
     cuda = device.type == "cuda"
@@ -168,7 +198,8 @@ def train(parallel: str, args, plat) -> NoReturn:
     per_rank = gbs // world
     accumulation = per_rank // mbs
     # This rank's rows of each global batch: the ranks together train exactly the global batch one process would.
-    batches = token_batches(args.train_iters, gbs, args.seq_length, args.vocab_size, args.seed)
+    # The benchmark's tokens, drawn as the steps need them (a long run's would take gigabytes up front).
+    batches = iter_token_batches(args.train_iters, gbs, args.seq_length, args.vocab_size, args.seed)
 
     def step(tokens) -> tuple:
         tokens = tokens[rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)

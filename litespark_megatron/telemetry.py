@@ -298,10 +298,14 @@ class Telemetry:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
         self._file.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
 
-    def _tensorboard(self, iteration: int, record: dict) -> None:
+    def _tensorboard_writer(self):
+        """megatron.training's TensorBoard writer (opened on the last rank with --tensorboard-dir), or None."""
         from megatron.training.global_vars import get_tensorboard_writer
 
-        writer = get_tensorboard_writer() if self.is_writer else None
+        return get_tensorboard_writer() if self.is_writer else None
+
+    def _tensorboard(self, iteration: int, record: dict) -> None:
+        writer = self._tensorboard_writer()
         if writer is None:
             return
         for key in ("tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "tflops_per_gpu_causal", "mfu",
@@ -312,9 +316,7 @@ class Telemetry:
                 writer.add_scalar(TB_PREFIX + key.replace("_", "-"), value, iteration)
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
-        from megatron.training.global_vars import get_tensorboard_writer
-
-        writer = get_tensorboard_writer() if self.is_writer else None
+        writer = self._tensorboard_writer()
         if writer is not None:
             writer.add_scalar(TB_PREFIX + tag, value, step)
 

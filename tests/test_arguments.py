@@ -325,6 +325,22 @@ def test_core_attention_auto_takes_tes_ring_attention_under_context_parallelism(
     assert chosen(te + cp2 + mla) == "sdpa"
 
 
+def test_checkpoint_args_decide_the_automatic_core_attention_again():
+    """--use-checkpoint-args can replace the spec (Megatron-LM takes the checkpoint's): the spec's name and an
+    automatic core attention follow it, an explicit one stays (what the loader leaves is set by hand here; the
+    end-to-end run is in test_checkpoints)."""
+    te_cp2 = TINY + ["--transformer-impl", "transformer_engine", "--no-rope-fusion", "--context-parallel-size", "2"]
+    args = resolve(te_cp2 + ["--spec", "stock-te"], GPU_TE)
+    assert (args.litespark_spec, args.core_attention) == ("stock-te", "sdpa")
+    args.spec = list(arguments.LITESPARK_SPEC)  # a Litespark checkpoint's --spec
+    arguments.follow_checkpoint_args(args)
+    assert (args.litespark_spec, args.core_attention) == ("litespark", "te")
+    args = resolve(te_cp2 + ["--spec", "stock-te", "--core-attention", "sdpa"], GPU_TE)
+    args.spec = list(arguments.LITESPARK_SPEC)
+    arguments.follow_checkpoint_args(args)
+    assert (args.litespark_spec, args.core_attention) == ("litespark", "sdpa")
+
+
 def test_a_checkpoint_without_tes_core_attention_state_is_loadable_where_the_run_has_it():
     """A checkpoint of the Litespark layer's SDPA attention has no `_extra_state` of TE's core attention; a run that
     has TE's (stock's layer, or --core-attention te: the default under CP) lists it as state it may start fresh."""

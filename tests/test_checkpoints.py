@@ -4,7 +4,7 @@ refused for an exact resume, with one line); Megatron-LM's own Llama-3 8B exampl
 import json
 import re
 import sys
-from conftest import TESTS, child_env, free_port, losses, ok, run, train
+from conftest import TESTS, child_env, free_port, losses, ok, records, run, train
 
 # The tiny Llama as Megatron-LM flags, and what a CPU needs (litespark-train adds those two groups itself).
 LLAMA = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
@@ -57,6 +57,18 @@ def test_litespark_checkpoint_resumes_in_megatron_lm_and_back(tmp_path):
     assert sorted(again) == [3, 4]
     for step in (3, 4):
         assert abs(again[step] - stock_straight[step]) < 1e-5, (step, again, stock_straight)
+
+
+def test_use_checkpoint_args_builds_and_names_the_checkpoints_spec(tmp_path):
+    """Megatron-LM's --use-checkpoint-args takes the checkpoint's --spec over the command line's: a Litespark
+    checkpoint resumed with --spec stock-local trains the Litespark layer, and the run record names that layer (it
+    named stock-local before, the layer it did not build)."""
+    ck, metrics = tmp_path / "ck", tmp_path / "resumed.jsonl"
+    ok(train(1, *LLAMA, *RUN, "--save", ck, "--save-interval", "2"))
+    ok(train(1, *RUN, "--vocab-size", "256", "--use-checkpoint-args", "--load", ck, "--ckpt-step", "2", "--spec",
+             "stock-local", "--metrics-file", metrics))
+    (run_record,) = [r for r in records(metrics, "run") if "spec" in r]  # the other is the end's summary
+    assert run_record["spec"] == "litespark", run_record
 
 
 LEGACY = TESTS / "fixtures" / "legacy_checkpoint"

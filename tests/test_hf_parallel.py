@@ -55,6 +55,26 @@ def test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains(tmp_path, caps
     assert table.count("| torch SDPA FlashAttention (CPU); fused: none |") == 4
 
 
+def test_an_hf_run_writes_tensorboard_under_megatron_trainings_tags(tmp_path):
+    """With --tensorboard-dir an HF layout writes the loss, gradient norm and learning rate under megatron.training's
+    tags and Telemetry's throughput scalars, one value per log interval, like a litespark-train run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sweep = load_tool("layout_sweep")
+    tb = tmp_path / "tb"
+    assert sweep.main(["--out", str(tmp_path / "sweep"), "--timeout", "300", "--layout", "1:hf-ddp", "--"] + TINY +
+                      ["--log-interval", "2", "--tensorboard-dir", str(tb)]) == 0
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in ("lm loss", "grad-norm", "learning-rate", "litespark/tokens-per-sec-per-gpu"):
+        assert [e.step for e in acc.Scalars(tag)] == [2, 4, 5], (tag, scalars)
+    (run_dir,) = [p for p in (tmp_path / "sweep").iterdir() if p.is_dir()]
+    losses = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "train"]
+    assert [e.value for e in acc.Scalars("lm loss")] == pytest.approx(losses)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2: HF transformers runs data-parallel only "
                                             "here (--parallel ddp|fsdp2); drop the flag"),

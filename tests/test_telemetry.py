@@ -46,6 +46,7 @@ def test_tensorboard_tags_are_written_for_measured_values_only(monkeypatch):
     writer = _Writer()
     monkeypatch.setattr(global_vars, "get_tensorboard_writer", lambda: writer)
     t = SimpleNamespace(is_writer=True)
+    t._tensorboard_writer = lambda: telemetry.Telemetry._tensorboard_writer(t)  # megatron.training's writer
     record = dict(tokens_per_sec=1000.0, tokens_per_sec_per_gpu=500.0, tflops_per_gpu=400.0,
                   tflops_per_gpu_causal=380.0, mfu=0.4, mfu_causal=0.38, gpu_power_w=650.0, joules_per_token=0.02,
                   energy_kwh_total=None, mem_max_allocated_gb=float("nan"))
