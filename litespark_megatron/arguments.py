@@ -820,7 +820,7 @@ def follow_checkpoint_args(args) -> None:
     decided again for it."""
     if args.spec == LITESPARK_SPEC:
         args.litespark_spec = "litespark"
-    elif args.spec and args.litespark_spec != "custom":
+    elif args.spec:
         args.litespark_spec = "custom"
     resolve_core_attention(args)
 
