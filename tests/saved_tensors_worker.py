@@ -46,9 +46,10 @@ def saved_by(flags, plat) -> dict:
             logits_saved.append(tuple(t.shape))
         return t
 
-    g = torch.Generator().manual_seed(7)
-    tokens, labels = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
-    position_ids = torch.arange(32).expand(2, 32)
+    g = torch.Generator().manual_seed(7)  # drawn on the CPU (the same tokens on every machine), then moved
+    device = bare_model.platform_device()
+    tokens, labels = (torch.randint(0, 256, (2, 32), generator=g).to(device) for _ in range(2))
+    position_ids = torch.arange(32, device=device).expand(2, 32)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens, position_ids, None, labels=labels, **processor)
     assert loss.shape == (2, 32), loss.shape
