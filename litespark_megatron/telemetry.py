@@ -110,7 +110,7 @@ class Telemetry:
         if self._t0 is not None:
             return
         self.iteration = self._start_iteration()  # > 0 when resumed
-        if self.iteration and self.is_writer and self.metrics_path and os.path.exists(self.metrics_path):
+        if self.is_writer and self.metrics_path and os.path.exists(self.metrics_path):
             _rewind(self.metrics_path, self.iteration)
         self.write(0, "run", self._run_record)
         if self.load_seconds is not None:
@@ -362,13 +362,15 @@ class Telemetry:
 def _rewind(path: str, iteration: int) -> None:
     """A resumed run continues the metrics file of the run it resumes, from its checkpoint's iteration: records of
     later steps (trained after that checkpoint by a run that then died) are dropped, so that every step has one
-    record, and so is a line a killed writer left half-written. Rewritten beside, then renamed."""
+    record, and so is a line a killed writer left half-written. A run from step 0 continues no run: the file starts
+    anew (a run killed before its first checkpoint leaves records, its run record too, that nothing continues).
+    Rewritten beside, then renamed."""
     kept, dropped = [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
                 record = json.loads(line)
-                keep = record["step"] <= iteration
+                keep = 0 < iteration and record["step"] <= iteration
             except (ValueError, KeyError, TypeError):
                 keep = False
             if keep:

@@ -1,10 +1,15 @@
 """telemetry.py: where it attaches to megatron.training (a change there must fail here), and what it writes."""
 import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, child_env, ok, records, torchrun, train
+from conftest import ROOT, child_env, free_port, ok, records, torchrun, train
 from litespark_megatron import telemetry
 
 
@@ -97,3 +102,37 @@ def test_the_slowest_rank_is_named_in_every_interval(tmp_path):
     for r in rows:
         assert r["forward_s_max"] - r["forward_s_min"] >= 0.2, r
         assert r["step_time_s"] >= r["forward_s_max"], r
+
+
+def _killed_in_step(step, flags, metrics):
+    """litespark-train SIGKILLed while its step `step` runs (tests/hang_at_step.py holds it there), once the step
+    before is in metrics.jsonl: a run that an OOM killer or a lost node ends mid-training."""
+    proc = subprocess.Popen([sys.executable, ROOT / "tests" / "hang_at_step.py", *flags], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=child_env(MASTER_PORT=free_port(), HANG_AT_STEP=step))
+    try:
+        deadline = time.time() + 240
+        while not (metrics.exists() and step - 1 in [r["step"] for r in records(metrics, "train")]):
+            assert proc.poll() is None and time.time() < deadline, f"no record of step {step - 1}"
+            time.sleep(0.2)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_restart_after_a_kill_leaves_one_record_per_step(tmp_path):
+    """Killed before its first checkpoint, a run's restart trains from step 0 again: the killed run's records (its
+    run record included: the restart may differ) are dropped, not left beside the new ones. Killed after one (step 3),
+    the restart resumes from it: records up to 3 stay, those of later steps go."""
+    save = tmp_path / "run"
+    metrics = save / "metrics.jsonl"
+    flags = [*MOCK, "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "3",
+             "--save", save, "--load", save]
+    _killed_in_step(3, flags, metrics)  # steps 1 and 2 recorded, nothing saved
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
+    _killed_in_step(6, flags, metrics)  # from step 0 again: 1 to 5, saved at 3
+    assert [r["step"] for r in records(metrics, "train")] == [1, 2, 3, 4, 5]
+    assert [r["kind"] for r in records(metrics) if r["step"] == 0] == ["run"]
+    ok(train(1, *flags))  # resumes from 3
+    assert [r["step"] for r in records(metrics, "train")] == [1, 2, 3, 4, 5, 6]
+    assert [(r["step"], r["kind"]) for r in records(metrics) if r["kind"] in ("run", "load", "save")] == [
+        (0, "run"), (3, "save"), (0, "run"), (3, "load"), (6, "save"), (6, "run")]
