@@ -7,7 +7,7 @@ function it serves and the failure it fixes, and each tested by reproducing that
 They are applied only where torch has no CUDA, never on a GPU machine.
 `LITESPARK_CPU_SHIMS=none|all|name,name` selects them.
 
-Four library gaps hit any machine and are closed by `prepare_libraries()`:
+Five library gaps hit any machine and are closed by `prepare_libraries()`:
 - `helpers`: megatron.training's initialize compiles the dataset helpers with `make` in the installed package,
   but the wheel ships them compiled and no Makefile, so rank 0 exits 1 before training. The shipped helpers are
   imported instead (a clear error if they are missing).
@@ -22,6 +22,8 @@ Four library gaps hit any machine and are closed by `prepare_libraries()`:
   Manager, on every save; the persistent async-save worker) that block on queues forever once the trainer is
   killed (SIGKILL, the OOM killer): ~0.7 GB each, left running; data-loader workers linger for seconds
   (`helper_processes_die_with_the_trainer`).
+- `rope`: megatron.training builds the model config without --rope-scaling-factor, so Llama 3's RoPE scaling ran
+  with factor 8 whatever the flag said (`pass_rope_scaling_factor`).
 """
 from __future__ import annotations
 
@@ -204,6 +206,26 @@ def provide_wgrad_accumulation_kernel() -> Optional[str]:
     return "te"
 
 
+def pass_rope_scaling_factor() -> None:
+    """megatron.training.argument_utils.gpt_config_from_args passes --use-rope-scaling to the GPTModelConfig but
+    not --rope-scaling-factor, so the model's Llama 3 RoPE scaling always used the config's default factor, 8: a
+    Llama 3.2 model (factor 32) was trained with 8 and exported with 32. The factor is passed too. Idempotent."""
+    from megatron.training import argument_utils
+
+    original = argument_utils.gpt_config_from_args
+    if getattr(original, "_litespark", False):
+        return
+
+    @functools.wraps(original)
+    def gpt_config_from_args(args, *rest, **kwargs):
+        config = original(args, *rest, **kwargs)
+        config.rope_scaling_factor = args.rope_scaling_factor
+        return config
+
+    gpt_config_from_args._litespark = True
+    argument_utils.gpt_config_from_args = gpt_config_from_args
+
+
 def single_process_defaults() -> None:
     """Started without torchrun (`python -m litespark_megatron ...`): one process, a free local port; what
     torchrun would have put in the environment for megatron.training's env:// rendezvous."""
@@ -226,6 +248,7 @@ def prepare_libraries() -> Platform:
     _use_shipped_dataset_helpers()
     _resume_distributed_optimizer_on_torch_adam()
     _load_optimizer_shards_without_autograd()
+    pass_rope_scaling_factor()
     if plat.device_type != "cpu":
         provide_wgrad_accumulation_kernel()
     helper_processes_die_with_the_trainer()
