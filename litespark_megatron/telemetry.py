@@ -1,5 +1,6 @@
 """Telemetry as a plug-in to megatron.training: tokens/s, TFLOP/s and MFU in both conventions, GPU power, energy and
-J/token, memory, and `metrics.jsonl`, beside Megatron-LM's own log line and TensorBoard tags.
+J/token, memory, and `metrics.jsonl`, beside Megatron-LM's own log line and TensorBoard tags (and its W&B run, under
+the same names).
 
 `attach()` wraps three functions of megatron.training.training, which its `train()` calls through module globals:
 
@@ -304,21 +305,34 @@ class Telemetry:
 
         return get_tensorboard_writer() if self.is_writer else None
 
+    def _wandb_writer(self):
+        """megatron.training's W&B run (the wandb module, initialised on the last rank with --wandb-project), or
+        None."""
+        from megatron.training.global_vars import get_wandb_writer
+
+        return get_wandb_writer() if self.is_writer else None
+
     def _tensorboard(self, iteration: int, record: dict) -> None:
-        writer = self._tensorboard_writer()
-        if writer is None:
-            return
-        for key in ("tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "tflops_per_gpu_causal", "mfu",
-                    "mfu_causal", "gpu_power_w", "joules_per_token", "energy_kwh_total", "mem_max_allocated_gb",
-                    "forward_s_max", "forward_s_min", "slowest_rank"):
-            value = record.get(key)
-            if value is not None and math.isfinite(value):
-                writer.add_scalar(TB_PREFIX + key.replace("_", "-"), value, iteration)
+        self._scalars({key.replace("_", "-"): record.get(key) for key in (
+            "tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "tflops_per_gpu_causal", "mfu",
+            "mfu_causal", "gpu_power_w", "joules_per_token", "energy_kwh_total", "mem_max_allocated_gb",
+            "forward_s_max", "forward_s_min", "slowest_rank")}, iteration)
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
+        self._scalars({tag: value}, step)
+
+    def _scalars(self, values: dict, step: int) -> None:
+        """The measured values as litespark/<tag> on TensorBoard and, with --wandb-project, on W&B under the same
+        names (megatron.training logs its own values to both under its TensorBoard tags)."""
+        measured = {TB_PREFIX + tag: value for tag, value in values.items()
+                    if value is not None and math.isfinite(value)}
         writer = self._tensorboard_writer()
         if writer is not None:
-            writer.add_scalar(TB_PREFIX + tag, value, step)
+            for tag, value in measured.items():
+                writer.add_scalar(tag, value, step)
+        wandb = self._wandb_writer()
+        if wandb is not None and measured:
+            wandb.log(measured, step)
 
     def record_eval(self, iteration: int, loss_dict, kind: str) -> None:
         if "lm loss" not in (loss_dict or {}):

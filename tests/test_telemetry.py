@@ -36,31 +36,62 @@ def test_megatron_training_still_calls_the_hooked_functions():
 
 
 class _Writer:
+    """megatron.training's TensorBoard writer (add_scalar) and W&B run (the wandb module: log(values, step))."""
+
     def __init__(self):
         self.scalars = {}
 
     def add_scalar(self, tag, value, step):
         self.scalars[tag] = (value, step)
 
+    def log(self, values, step):
+        for tag, value in values.items():
+            self.scalars[tag] = (value, step)
+
+
+def _telemetry_of_last_rank(monkeypatch):
+    """A Telemetry of the rank that writes (built without a run) and the writers megatron.training would hold."""
+    from megatron.training import global_vars
+
+    tensorboard, wandb = _Writer(), _Writer()
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", tensorboard)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", wandb)
+    t = object.__new__(telemetry.Telemetry)
+    t.is_writer = True
+    return t, tensorboard, wandb
+
+
+RECORD = dict(tokens_per_sec=1000.0, tokens_per_sec_per_gpu=500.0, tflops_per_gpu=400.0, tflops_per_gpu_causal=380.0,
+              mfu=0.4, mfu_causal=0.38, gpu_power_w=650.0, joules_per_token=0.02, energy_kwh_total=None,
+              mem_max_allocated_gb=float("nan"), forward_s_max=0.12, forward_s_min=0.1, slowest_rank=1)
+
 
 def test_tensorboard_tags_are_written_for_measured_values_only(monkeypatch):
     """The project's tags sit beside Megatron-LM's under litespark/; a value that was not measured (None) gets no
     point, never a number (GPU energy here comes from a GPU run's record)."""
-    from megatron.training import global_vars
-
-    writer = _Writer()
-    monkeypatch.setattr(global_vars, "get_tensorboard_writer", lambda: writer)
-    t = SimpleNamespace(is_writer=True)
-    t._tensorboard_writer = lambda: telemetry.Telemetry._tensorboard_writer(t)  # megatron.training's writer
-    record = dict(tokens_per_sec=1000.0, tokens_per_sec_per_gpu=500.0, tflops_per_gpu=400.0,
-                  tflops_per_gpu_causal=380.0, mfu=0.4, mfu_causal=0.38, gpu_power_w=650.0, joules_per_token=0.02,
-                  energy_kwh_total=None, mem_max_allocated_gb=float("nan"))
-    telemetry.Telemetry._tensorboard(t, 7, record)
-    assert writer.scalars == {
+    t, tensorboard, _ = _telemetry_of_last_rank(monkeypatch)
+    t._tensorboard(7, RECORD)
+    t._scalar("save-seconds", 1.5, 8)
+    assert tensorboard.scalars == {
         "litespark/tokens-per-sec": (1000.0, 7), "litespark/tokens-per-sec-per-gpu": (500.0, 7),
         "litespark/tflops-per-gpu": (400.0, 7), "litespark/tflops-per-gpu-causal": (380.0, 7),
         "litespark/mfu": (0.4, 7), "litespark/mfu-causal": (0.38, 7), "litespark/gpu-power-w": (650.0, 7),
-        "litespark/joules-per-token": (0.02, 7)}
+        "litespark/joules-per-token": (0.02, 7), "litespark/forward-s-max": (0.12, 7),
+        "litespark/forward-s-min": (0.1, 7), "litespark/slowest-rank": (1, 7), "litespark/save-seconds": (1.5, 8)}
+
+
+def test_wandb_gets_what_tensorboard_gets(monkeypatch):
+    """With --wandb-project, megatron.training logs its own values to W&B under its TensorBoard tags: Litespark's
+    (MFU, energy, J/token, per-rank forward times, save and load times) go there too, under theirs."""
+    t, tensorboard, wandb = _telemetry_of_last_rank(monkeypatch)
+    t._tensorboard(7, RECORD)
+    t._scalar("save-seconds", 1.5, 8)
+    assert wandb.scalars == tensorboard.scalars and "litespark/mfu" in wandb.scalars
+    # Only the last rank writes, where megatron.training opened its W&B run.
+    t, _, wandb = _telemetry_of_last_rank(monkeypatch)
+    t.is_writer = False
+    t._tensorboard(7, RECORD)
+    assert wandb.scalars == {}
 
 
 MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "4",
