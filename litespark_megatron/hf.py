@@ -9,7 +9,8 @@ import  reads config.json (the model's shape comes from it, not from a preset) a
         `tokenizer/` the HF tokenizer when the directory has one.
 export  reads any Megatron-LM torch_dist checkpoint of a Llama-shaped GPT (the Litespark and stock specs save the
         same keys), whatever layout it was saved in, one layer at a time, and writes config.json,
-        generation_config.json, model.safetensors (sharded, with its index) and the tokenizer files.
+        generation_config.json, model.safetensors (sharded, with its index) and the tokenizer files. Norms a run
+        kept zero-centered (--apply-layernorm-1p: weight = gamma - 1) are written as HF's gamma.
 
 The two weight layouts that differ (megatron-core's, in every layout; HF's LlamaForCausalLM):
     linear_qkv.weight = for each KV group g: [the query heads of g; k_g; v_g]   <- q_proj, k_proj, v_proj
@@ -665,7 +666,9 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
 
             tok = load_tokenizer("HuggingFaceTokenizer", tokenizer_dir)
         target_dtype = DTYPES[dtype] if dtype else metadata[EMBEDDING].dtype
-        zero_centered = bool(getattr(args, "apply_layernorm_1p", False))
+        # --apply-layernorm-1p: megatron-core's layernorm_zero_centered_gamma (older Megatron-LM kept the flag's name)
+        zero_centered = bool(getattr(args, "layernorm_zero_centered_gamma", False) or
+                             getattr(args, "apply_layernorm_1p", False))
 
         def load(key: str, layer: Optional[int]) -> torch.Tensor:
             meta = metadata[key]
@@ -680,7 +683,7 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
             tensor = dist_checkpointing.load({key: request}, directory, validate_access_integrity=False)[key]
             tensor = tensor if layer is None else tensor[0]
             if zero_centered and "norm" in key:
-                tensor = tensor + 1  # --apply-layernorm-1p stores gamma - 1
+                tensor = tensor + 1  # stored as gamma - 1; HF's RMSNorm weight is gamma
             return tensor
 
         keys = [(EMBEDDING, None)] + [(k, i) for i in range(shape.layers) for k in LAYER_KEYS] + \

@@ -1,8 +1,8 @@
 """Hugging Face interop (litespark-convert): a tiny transformers LlamaForCausalLM (GQA, Llama-3 RoPE scaling, tied
 and untied, a vocabulary TP must pad) imported, loaded by megatron.training in TP2, PP2 and TP2+PP2 with the
 logits of transformers, exported back bit for bit; --finetune from it starts at transformers' loss, and a model
-trained here is exported with the validation loss the trainer reported; bad input is one line and writes
-nothing."""
+trained here is exported with the validation loss the trainer reported, one with zero-centered norms with its
+logits; bad input is one line and writes nothing."""
 import json
 import os
 import sys
@@ -72,12 +72,14 @@ def convert(*argv):
     return run([sys.executable, "-m", "litespark_megatron.hf", *argv, "--quiet"])
 
 
-def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout):
-    """The logits megatron.training's model gives after `--load ckpt` in this layout (tests/hf_logits_worker.py)."""
+def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout, model=None):
+    """The logits megatron.training's model gives after `--load ckpt` in this layout (tests/hf_logits_worker.py);
+    the model's flags are `model`, by default the import's model.yaml."""
     tokens_file, out = tmp_path / "tokens.json", tmp_path / f"logits_{free_port()}.pt"
     tokens_file.write_text(json.dumps({"tokens": tokens.tolist()}))
-    ok(torchrun(nproc, TESTS / "hf_logits_worker.py", tokens_file, out, "--", "--config", ckpt / "model.yaml",
-                "--load", ckpt, "--mock-data", "--skip-train", *layout))
+    model = model or ["--config", ckpt / "model.yaml"]
+    ok(torchrun(nproc, TESTS / "hf_logits_worker.py", tokens_file, out, "--", *model, "--load", ckpt, "--mock-data",
+                "--skip-train", *layout))
     return torch.load(out)
 
 
@@ -192,6 +194,22 @@ def test_finetune_starts_from_transformers_loss_and_the_trained_model_exports_wi
     with torch.no_grad():
         after = hf_model(exported)(sample, labels=sample).loss.item()
     assert abs(after - val) < 1e-3, (after, val)
+
+
+def test_a_run_with_zero_centered_norms_exports_the_norm_weights_transformers_computes(tmp_path):
+    """--apply-layernorm-1p (Megatron-LM's Llama-3 example uses it; megatron-core's layernorm_zero_centered_gamma)
+    stores each norm's weight minus 1: HF's RMSNorm weights are the stored ones plus 1."""
+    model = ["--model", "tiny", "--vocab-size", 256, "--apply-layernorm-1p"]
+    save, exported = tmp_path / "trained", tmp_path / "exported"
+    ok(train(1, *model, "--mock-data", "--seq-length", SEQ, "--micro-batch-size", 2, "--lr", "1e-2", "--train-iters",
+             3, "--eval-iters", 0, "--eval-interval", 100, "--save", save, "--save-interval", 3, "--seed", 3))
+    ok(convert("export", save, exported))
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    ours, reference = megatron_logits(tmp_path, save, tokens, 1, model=model), hf_logits(exported, tokens)
+    assert ours.shape == reference.shape
+    diff = (ours - reference).abs().max().item()
+    assert diff < 1e-4, diff
+    assert reference.abs().max() > 0.1  # the comparison has something to compare
 
 
 # --------------------------------------------------------------------------------------------- bad input
