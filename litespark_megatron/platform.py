@@ -676,13 +676,12 @@ def apply_cpu_shims() -> list:
 
 
 def quiet_library_noise() -> None:
-    """megatron-core warns on every import that TE/Apex are absent (expected on CPU: the fallbacks are what we
-    use) and that it does not know the Litespark MLP class (it then passes no tp_group, which LitesparkMLP takes
-    from parallel_state). Neither is actionable for a user."""
+    """megatron-core warns that it does not know the Litespark MLP class (it then passes no tp_group, which
+    LitesparkMLP takes from parallel_state); not actionable for a user. (Its import-time TE/Apex fallback warnings
+    are dropped by the package's __init__, before megatron-core is first imported.)"""
     import logging
     import warnings
 
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex are|Apex is) not installed.*")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
 
     class _DropUnknownMLP(logging.Filter):

@@ -413,3 +413,43 @@ def test_checkpoint_writer_helpers_end_with_a_killed_trainer(tmp_path, mode):
     else:
         assert alive, "megatron-core's helpers now end with a killed trainer: helper_processes_die_with_the_trainer " \
                       "can go"
+
+
+def _as_a_user_runs_it():
+    """The children's environment without the PYTHONWARNINGS=ignore every other test's children get."""
+    env = child_env()
+    del env["PYTHONWARNINGS"]
+    return env
+
+
+def test_help_starts_with_its_usage_line():
+    """megatron-core warns, module by module as it is imported, that Transformer Engine and Apex are absent and
+    which fallback it takes: those warnings came before --help's usage line (and before a run's first line). The
+    first line is the usage now, and nothing is written to stderr."""
+    import sys
+
+    proc = run([sys.executable, "-m", "litespark_megatron", "--help"], env=_as_a_user_runs_it())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: litespark-train "), proc.stdout[:500]
+    assert proc.stderr == "", proc.stderr[:3000]
+
+
+def test_only_the_library_noise_is_dropped():
+    """The filters are the messages of the TE/Apex fallbacks (and megatron's unused MimoModelConfig), nothing wider:
+    another warning, even about TE or Apex, is still shown."""
+    code = ("import warnings, litespark_megatron\n"
+            "warnings.warn('Transformer Engine and Apex are not installed. Falling back to Torch optimizers.')\n"
+            "warnings.warn('Apex is not installed. Falling back to Torch Norm')\n"
+            "warnings.warn('Only transformer-engine>=1.7.0 supports MoE experts, but your version is 0.0.0. Use local "
+            "linear implementation instead.')\n"
+            "warnings.warn('MimoModelConfig is experimental and still under active development.')\n"
+            "warnings.warn('Only transformer-engine>=1.7.0 supports MoE experts, but your version is 1.6.0.')\n"
+            "warnings.warn('Transformer Engine failed to load its library')\n")
+    import sys
+
+    proc = run([sys.executable, "-c", code], env=_as_a_user_runs_it())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = [line for line in proc.stderr.splitlines() if "UserWarning" in line]
+    assert [line.split("UserWarning: ")[1] for line in shown] == [
+        "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 1.6.0.",
+        "Transformer Engine failed to load its library"], proc.stderr
