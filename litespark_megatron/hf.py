@@ -541,6 +541,13 @@ def _checkpoint_shape(args, metadata, vocab: int) -> Shape:
                  args.kv_channels or args.hidden_size // heads, vocab, not args.untie_embeddings_and_output_weights)
 
 
+def _imported_tokenizer(directory: str) -> Optional[str]:
+    """The tokenizer/ an import writes beside its release checkpoint (the import's own arguments name none: it
+    saves with NullTokenizer), None if there is none."""
+    found = os.path.join(os.path.dirname(os.path.abspath(directory)), "tokenizer")
+    return found if os.path.isfile(os.path.join(found, "tokenizer.json")) else None
+
+
 def _true_vocab(args, rows: int, vocab: Optional[int]) -> int:
     """The vocabulary without Megatron-LM's TP padding: --vocab-size given to export, else the run's tokenizer as
     megatron.training builds it (the size whose padded rows the trainer masked)."""
@@ -659,7 +666,8 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
             raise ConversionError(f"the checkpoint has no tensor {EMBEDDING}")
         shape = _checkpoint_shape(args, metadata, _true_vocab(args, metadata[EMBEDDING].global_shape[0], vocab))
         tokenizer_dir = tokenizer or (args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" and
-                                      args.tokenizer_model and os.path.isdir(args.tokenizer_model) else None)
+                                      args.tokenizer_model and os.path.isdir(args.tokenizer_model) else
+                                      _imported_tokenizer(directory))
         tok = None
         if tokenizer_dir is not None:
             from .data import load_tokenizer
@@ -730,7 +738,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--vocab-size", type=int, help="the vocabulary without TP padding (default: the run's "
                                                     "tokenizer)")
     exp.add_argument("--tokenizer", help="HF tokenizer directory to ship with the model (default: the run's "
-                                         "--tokenizer-model when it is one)")
+                                         "--tokenizer-model when it is one, else an import's tokenizer/ beside "
+                                         "the checkpoint)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     for sp in (imp, exp):
         sp.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -129,6 +129,9 @@ def test_export_gives_the_imported_tensors_bit_for_bit_and_a_config_that_imports
     config = json.loads((first / "config.json").read_text())
     assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["factor"] == 8.0
     assert config["vocab_size"] == VOCAB and not config["tie_word_embeddings"]
+    # The import's own arguments name no tokenizer (NullTokenizer): its tokenizer/ ships, and names BOS and EOS.
+    assert (first / "tokenizer.json").is_file()
+    assert (config["bos_token_id"], config["eos_token_id"]) == (VOCAB - 2, VOCAB - 1)
     # The exported config.json reads back as the original's model; with the tensors equal bit for bit, importing
     # the export is importing the original (export -> import -> export without two more processes).
     from litespark_megatron import hf as convert_module
