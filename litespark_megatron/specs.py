@@ -177,19 +177,37 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
     --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention) and
-    `core_attention` (--core-attention)."""
+    `core_attention` (--core-attention).
+
+    Which layers are MoE (--moe-layer-freq, an int or a 0/1 list pattern) and which layers this stage holds
+    (--pipeline-model-parallel-layout, or the even split with its uneven-first/last variants) follow megatron-core's
+    get_gpt_decoder_block_spec, so a Litespark model has stock's layers, parameters and checkpoint keys."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
+    from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = getattr(model_config, "transformer", model_config)
     backend = "te" if config.transformer_impl == "transformer_engine" else "local"
-    layer = get_litespark_layer_spec(backend, multi_latent_attention=bool(config.multi_latent_attention),
-                                     num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
-                                     q_lora_rank=getattr(config, "q_lora_rank", None),
-                                     qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
-                                     core_attention=core_attention)
+
+    def layer(num_experts):
+        return get_litespark_layer_spec(backend, multi_latent_attention=bool(config.multi_latent_attention),
+                                        num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
+                                        q_lora_rank=getattr(config, "q_lora_rank", None),
+                                        qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
+                                        core_attention=core_attention)
+
+    dense = layer(None)
+    moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock
+    pattern = get_moe_layer_pattern(config)  # 1: MoE, 0: dense, one per layer of the model
+    if config.pipeline_model_parallel_layout is not None:
+        local = config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
+                                                                       vp_stage=vp_stage)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        local = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         from .layers import LitesparkRMSNorm as final_norm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[moe if pattern[i] else dense for i in local], layer_norm=final_norm)

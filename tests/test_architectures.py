@@ -2,10 +2,12 @@
 MLASelfAttention with the Litespark core attention), NSA (the Litespark native sparse attention), NoPE. The same losses in every layout as on one process
 (layout-invariant init of experts, router and MLA projections; tolerances as test_parallel_parity.py), and one
 clear error for each combination that cannot run."""
+import json
+
 import pytest
 import torch
 
-from conftest import ok, parity_run, records, train
+from conftest import TESTS, ok, parity_run, records, train
 
 BASE = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "3", "--eval-iters", "0", "--eval-interval",
@@ -27,6 +29,10 @@ LAYOUTS = {
     "moe-tp2-sp-ep2-distopt": (4, MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                         "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "moe-cp2-ep2": (2, MOE, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    # Dense and MoE layers mixed, each virtual stage holding the layers the uneven layout gives it (none: the last).
+    "moe-freq-pp2-layout-vpp2": (2, MOE + ["--moe-layer-freq", "[1,1,0,1]"],
+                                 ["--pipeline-model-parallel-size", "2",
+                                  "--pipeline-model-parallel-layout", "Ett|t|t|L"]),
     "mla-dp2": (2, MLA, []),
     "mla-pp2": (2, MLA, ["--pipeline-model-parallel-size", "2"]),
     "mla-cp2": (2, MLA, ["--context-parallel-size", "2"]),
@@ -84,11 +90,64 @@ def test_litespark_equals_stock_local(references, tmp_path, arch):
         assert abs(a - b) <= 1e-5, f"step {step}: stock {a} != litespark {b}"
 
 
-def test_trainer_counts_the_parameters_it_builds(tmp_path):
+@pytest.mark.parametrize("freq, moe_layers", [("2", [0, 2]), ("([0]+[1])*2", [1, 3]), ("[1,1,0,1]", [0, 1, 3])],
+                         ids=["every-2nd", "pattern", "list"])
+def test_litespark_follows_moe_layer_freq(py, freq, moe_layers):
+    """--moe-layer-freq (an int, or Megatron-LM's list pattern) makes the same layers MoE with the Litespark spec
+    as with stock's (the rest dense): the same layers, parameters and state-dict keys, the same logits from the
+    same weights."""
+    proc = py(TESTS / "spec_worker.py", "litespark", "stock-local", *MOE, "--moe-layer-freq", freq,
+              "--transformer-impl", "local", "--no-persist-layer-norm")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["moe_layers_b"] == moe_layers, r  # stock, megatron-core's reading of the flag
+    assert r["moe_layers_a"] == r["moe_layers_b"], r
+    assert r["numel_a"] == r["numel_b"] and r["same_keys"], r
+    assert r["logit_max_abs_diff"] <= 1e-5 * max(1.0, r["logit_max_abs"]) and r["grad_max_rel_diff"] <= 1e-4, r
+
+
+@pytest.mark.parametrize("layout", [None, "Et|tt|tL", "Ett|t|t|L"], ids=["even", "layout", "layout-vpp2"])
+def test_litespark_stages_build_stocks_layers(layout, monkeypatch):
+    """Each pipeline stage (and virtual stage) builds the layers stock's block spec builds there, MoE or dense as
+    --moe-layer-freq says, with or without --pipeline-model-parallel-layout."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from litespark_megatron.specs import litespark_layer_spec
+
+    stages = 3 if layout == "Et|tt|tL" else 2
+    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                               moe_ffn_hidden_size=64, moe_layer_freq=[0, 1, 1, 0],
+                               pipeline_model_parallel_size=stages, pipeline_dtype=torch.float32,
+                               pipeline_model_parallel_layout=layout, transformer_impl="local",
+                               use_cpu_initialization=True)
+    # The stage as megatron-core's parallel state reports it to both specs, without process groups.
+    monkeypatch.setattr(parallel_state, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+                        config.virtual_pipeline_model_parallel_size)
+
+    def kinds(block):
+        return ["moe" if getattr(s.submodules.mlp, "func", None) is MoELayer else "dense" for s in block.layer_specs]
+
+    built = []
+    for vp_stage in range(config.virtual_pipeline_model_parallel_size or 1):
+        for pp_rank in range(stages):
+            monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", pp_rank)
+            vp = vp_stage if config.virtual_pipeline_model_parallel_size else None
+            want = kinds(get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp))
+            got = kinds(litespark_layer_spec(config, vp_stage=vp))
+            assert got == want, (vp_stage, pp_rank)
+            built += got
+    assert built == ["dense", "moe", "moe", "dense"]
+
+
+@pytest.mark.parametrize("freq", [[], ["--moe-layer-freq", "2"]], ids=["all-moe", "every-2nd"])
+def test_trainer_counts_the_parameters_it_builds(tmp_path, freq):
     """The run record's parameter count (the FLOP counter's shape) equals the parameters megatron.training built,
     which it prints per model-parallel rank."""
     metrics = tmp_path / "m.jsonl"
-    proc = ok(train(1, *BASE, *MOE, "--metrics-file", metrics))
+    proc = ok(train(1, *BASE, *MOE, *freq, "--metrics-file", metrics))
     start = records(metrics, "run")[0]
     built = int(next(line for line in proc.stdout.splitlines() if "number of parameters on (tensor" in line)
                 .rsplit(":", 1)[1])
