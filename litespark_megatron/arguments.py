@@ -694,6 +694,7 @@ def check_run(args, plat, world: int) -> None:
             # RoPE exists, which only the node can answer; the rest of the model's checks hold here too.
             model = argparse.Namespace(**{**vars(args), "apply_rope_fusion": False})
         model_config_check(model)
+    check_checkpoints(args)
 
 
 def resolve(argv: Sequence[str], plat) -> argparse.Namespace:
@@ -793,6 +794,88 @@ def _check_checkpoint(args, load_dir: Optional[str]) -> None:
                   "--dist-ckpt-strictness log_unexpected, that state starts fresh", flush=True)
 
 
+def _loaded_checkpoint_dir(args, load_dir: Optional[str]) -> Optional[str]:
+    """The checkpoint directory megatron.training will load from `load_dir` (the tracker's, or --ckpt-step's), None
+    if there is none there."""
+    directory = latest_checkpoint_dir(load_dir) if load_dir else None
+    if directory is not None and args.ckpt_step:
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        directory = get_checkpoint_name(load_dir, args.ckpt_step, return_base_dir=True)
+    return directory
+
+
+def check_checkpoints(args) -> None:
+    """The checkpoints the run loads against its validated arguments (megatron.training stores its arguments in a
+    checkpoint's common state), before any process group: a model of another shape would fail in the loader, after
+    the process groups are up and --save is created."""
+    for flag, load_dir in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+        directory = _loaded_checkpoint_dir(args, load_dir)
+        if directory is None or not os.path.isfile(os.path.join(directory, "metadata.json")):
+            continue  # none there, or not a torch_dist checkpoint: megatron.training's loader speaks for it
+        from megatron.core import dist_checkpointing
+
+        common = dist_checkpointing.load_common_state_dict(directory)
+        saved = common.get("args")
+        if not isinstance(saved, argparse.Namespace):
+            continue  # none, or the earlier trainer's (legacy.py)
+        _check_checkpoint_model(args, saved, f"{flag} {load_dir}")
+
+
+# The arguments of a model a checkpoint's and the run's must agree on: the parameters' shapes, and what the same
+# parameters compute (norm, position embedding). Compared where both have the argument.
+MODEL_ARGUMENTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                   "kv_channels", "untie_embeddings_and_output_weights", "swiglu", "normalization",
+                   "apply_layernorm_1p", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "position_embedding_type",
+                   "max_position_embeddings", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                   "qk_pos_emb_head_dim", "v_head_dim", "num_experts", "moe_ffn_hidden_size",
+                   "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers", "attention_variant",
+                   "vocab_size")
+
+
+def _model_arguments(a) -> Dict[str, object]:
+    """What of MODEL_ARGUMENTS applies to the model of arguments `a` (a run's, or a checkpoint's)."""
+    model = {name: getattr(a, name) for name in MODEL_ARGUMENTS if hasattr(a, name)}
+    model.setdefault("attention_variant", "dense")  # a checkpoint of Megatron-LM's own script: dense attention
+    if not getattr(a, "group_query_attention", False):
+        model["num_query_groups"] = getattr(a, "num_attention_heads", None)  # one KV head per head
+    if not getattr(a, "multi_latent_attention", False):
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            model.pop(name, None)
+    if not getattr(a, "num_experts", None):
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq"):
+            model.pop(name, None)
+    if getattr(a, "position_embedding_type", None) != "learned_absolute":
+        model.pop("max_position_embeddings", None)  # RoPE has no table of positions
+    if getattr(a, "tokenizer_type", None) != "NullTokenizer":
+        model.pop("vocab_size", None)  # a text tokenizer's size is its own (the embedding rows check it)
+    return model
+
+
+def _check_checkpoint_model(args, saved, where: str) -> None:
+    run, there = _model_arguments(args), _model_arguments(saved)
+    if (run.get("hidden_size"), run.get("num_attention_heads")) != \
+            (there.get("hidden_size"), there.get("num_attention_heads")):
+        run.pop("kv_channels", None)  # derived from those two unless given: their difference says it
+    differences = []
+    for name, value in run.items():
+        if name not in there or there[name] == value:
+            continue
+        if name == "add_bias_linear":
+            name, value, theirs = "disable_bias_linear", not value, not there[name]
+        else:
+            theirs = there[name]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            differences.append(f"{flag} {'set' if theirs else 'not set'} there, {'set' if value else 'not set'} here")
+        else:
+            differences.append(f"{flag} {theirs} there, {value} here")
+    if differences:
+        hint = "" if args.use_checkpoint_args else ", or --use-checkpoint-args to take them from the checkpoint"
+        raise ConfigError(f"{where}: the checkpoint holds another model than these flags build "
+                          f"({'; '.join(differences)}); give the model flags of the run that saved it{hint}")
+
+
 def _te_only_state(args) -> List[str]:
     """The `_extra_state` (FP8 metadata) a Transformer Engine run's model saves and a checkpoint of megatron-core's
     local modules lacks: TE's final norm, and TE's core attention where this run has it (megatron-core's own layer;
@@ -839,4 +922,5 @@ def parse_checked(argv: Sequence[str], plat) -> argparse.Namespace:
     check(args, plat)
     megatron_validate(args)
     model_config_check(args)
+    check_checkpoints(args)
     return args

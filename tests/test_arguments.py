@@ -387,3 +387,59 @@ def test_fp8_parameters_with_the_precision_aware_optimizer_are_refused_under_del
                                 "Transformer Engine's Adam for FP8 parameters needs fp32 master weights and moments, "
                                 "and megatron-core keeps the master weights as 16-bit remainders, so the first step "
                                 "would fail; use one of the two flags")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of the tiny model (vocabulary 256, 4 steps of 8 sequences), saved by litespark-train."""
+    from conftest import ok, train
+
+    save = tmp_path_factory.mktemp("tiny") / "ckpt"
+    ok(train(1, *TINY[:-4], "--vocab-size", "256", "--seq-length", "32", "--global-batch-size", "8",
+             "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "4", "--eval-interval", "100",
+             "--eval-iters", "0", "--save", save, "--save-interval", "100"))
+    return save
+
+
+RESUME = TINY[:-4] + ["--vocab-size", "256", "--seq-length", "32", "--global-batch-size", "8", "--lr", "3e-3",
+                      "--lr-warmup-iters", "2", "--train-iters", "4", "--eval-interval", "100"]
+
+
+@pytest.mark.parametrize("flags, differences", [
+    (["--hidden-size", "64"], "--hidden-size 128 there, 64 here"),
+    (["--num-layers", "2", "--num-query-groups", "4"], "--num-layers 4 there, 2 here; --num-query-groups 2 there, "
+                                                       "4 here"),
+    (["--kv-channels", "16"], "--kv-channels 32 there, 16 here"),
+    (["--position-embedding-type", "none", "--qk-layernorm"], "--qk-layernorm not set there, set here; "
+                                                               "--position-embedding-type rope there, none here"),
+    (["--vocab-size", "200"], "--vocab-size 256 there, 200 here"),
+    (["--vocab-size", "200", "--finetune"], "--vocab-size 256 there, 200 here"),
+], ids=["hidden", "layers-groups", "kv-channels", "switches", "vocab", "finetune"])
+def test_a_checkpoint_of_another_model_is_refused_before_any_process_group(tiny_checkpoint, flags, differences):
+    """megatron.training stores the run's arguments in the checkpoint's common state; a --load of another shape
+    failed after the process groups were up (a 67-line CheckpointingException, --save already created). The model
+    flags of the checkpoint are compared with the run's before anything starts, every difference named with both
+    values; --finetune loads the same weights, so the shapes must match there too."""
+    with pytest.raises(ConfigError) as e:
+        arguments.parse_checked(RESUME + flags + ["--load", str(tiny_checkpoint)], CPU)
+    assert str(e.value) == (f"--load {tiny_checkpoint}: the checkpoint holds another model than these flags build "
+                            f"({differences}); give the model flags of the run that saved it, or "
+                            "--use-checkpoint-args to take them from the checkpoint")
+
+
+def test_the_checkpoints_own_model_loads_and_checkpoint_args_are_compared_too(tiny_checkpoint):
+    """The same model passes (resumed, fine-tuned, or with TP: its vocabulary padding differs, the vocabulary
+    does not); --use-checkpoint-args takes the shape from the checkpoint, so the shape flags can be left out, but
+    one given on the command line wins over the checkpoint's in Megatron-LM and is refused where it differs."""
+    load = ["--load", str(tiny_checkpoint)]
+    arguments.parse_checked(RESUME + load, CPU)
+    arguments.parse_checked(RESUME + load + ["--finetune", "--train-iters", "8"], CPU)
+    arguments.parse_checked(RESUME + load + ["--make-vocab-size-divisible-by", "96"], CPU)
+    bare = ["--mock-data", "--lr", "3e-3", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
+            "4", "--lr-warmup-iters", "2", "--eval-interval", "100", "--vocab-size", "256", "--use-checkpoint-args"]
+    args = arguments.parse_checked(bare + load, CPU)
+    assert (args.num_layers, args.hidden_size, args.num_query_groups) == (4, 128, 2)
+    with pytest.raises(ConfigError) as e:
+        arguments.parse_checked(bare + load + ["--num-layers", "2"], CPU)
+    assert str(e.value) == (f"--load {tiny_checkpoint}: the checkpoint holds another model than these flags build "
+                            "(--num-layers 4 there, 2 here); give the model flags of the run that saved it")

@@ -58,6 +58,27 @@ def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "other").exists()
 
 
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """MOCK's run of 6 steps, saved at its end."""
+    save = tmp_path_factory.mktemp("saved") / "run"
+    ok(train(1, *MOCK, "--save", save))
+    return save
+
+
+def test_load_of_another_model_is_refused_in_one_line_before_any_work(saved_run, tmp_path):
+    """A checkpoint of another shape used to fail in megatron.training's loader: 67 lines of
+    CheckpointingException after the process group was up and --save created. It is one line now, before both."""
+    other = tmp_path / "other"
+    proc = train(1, *MOCK, "--hidden-size", "64", "--load", saved_run, "--save", other)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"litespark-train: error: --load {saved_run}: the checkpoint holds another model than these flags build "
+        "(--hidden-size 128 there, 64 here); give the model flags of the run that saved it, or --use-checkpoint-args "
+        "to take them from the checkpoint")
+    assert "Traceback" not in proc.stderr and not other.exists()
+
+
 def _wait_for_step(metrics, step, proc, timeout=240):
     deadline = time.time() + timeout
     while time.time() < deadline:
