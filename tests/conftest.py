@@ -21,6 +21,21 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 
+# Two passes (scripts/test.sh). The suite checks the CPU path (gloo, the CPU shims, what a CPU run reports) on every
+# machine: its assertions say what a CPU computes and its layouts start more ranks than a machine has GPUs, so it
+# runs with the GPUs hidden from this process and its children (CUDA reads the variable at its first use, which no
+# test has made yet). On a machine with a GPU, the tests marked `gpu` (CUDA-only ones, and ones that check what must
+# hold on any device) run again, alone, with the GPUs visible: LITESPARK_TEST_GPU=1.
+GPU_PASS = os.environ.get("LITESPARK_TEST_GPU") == "1"
+if not GPU_PASS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_PASS:
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpu") is None])
+        items[:] = [i for i in items if i.get_closest_marker("gpu") is not None]
+
 
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral
 # range: a port-0 choice, closed and handed to a child, was once taken in between by another worker's gloo (which

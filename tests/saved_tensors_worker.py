@@ -42,7 +42,8 @@ def saved_by(flags, plat) -> dict:
     def pack(t):
         base = t if t._base is None else t._base  # a view's root tensor
         kept.update(i for i, out in enumerate(qkv_outputs) if base is out)
-        if t.size(-1) == rows and not isinstance(base, torch.nn.Parameter):  # logits, or the loss's copies of them
+        # logits, or the loss's copies of them (a GPU's attention also saves 0-dim tensors: its RNG seed and offset)
+        if t.dim() and t.size(-1) == rows and not isinstance(base, torch.nn.Parameter):
             logits_saved.append(tuple(t.shape))
         return t
 

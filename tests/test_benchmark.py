@@ -570,6 +570,7 @@ def test_refuses_before_measuring_when_te_fused_attention_is_unavailable(monkeyp
     assert f"- **WARNING** (measured with --allow-degraded): {warning}" in capsys.readouterr().out
 
 
+@pytest.mark.gpu
 def test_preflight_gives_the_start_up_check_answer():
     """The preflight (a fresh process) answers what the trainer's start-up check answers for the model's heads:
     nothing to refuse on a CPU; on a GPU, a warning exactly where TE's fused attention does not run."""

@@ -141,6 +141,7 @@ def _te_importable():
     return te_importable()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not _te_importable(),
                     reason="needs a CUDA GPU with Transformer Engine")
 def test_te_fused_attention_runs_on_this_gpu():

@@ -107,6 +107,7 @@ def test_queries_at_the_end_of_longer_keys(device, impl, monkeypatch):
 
 
 @CUDA
+@pytest.mark.gpu
 def test_prefix_attention_falls_back_where_cudnn_cannot_run():
     from litespark_megatron.layers.prefix_attention import prefix_causal_impl
 
@@ -117,6 +118,7 @@ def test_prefix_attention_falls_back_where_cudnn_cannot_run():
     assert prefix_causal_impl(q.float(), k.float(), k.float(), 0.0) == "sdpa-lower-right"  # fp32
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")
 def test_swiglu_uses_te_where_te_is_installed():
     from litespark_megatron.platform import te_importable
@@ -125,6 +127,7 @@ def test_swiglu_uses_te_where_te_is_installed():
     assert kernels.swiglu_impl("cpu") == "reference"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_match_reference_on_cuda(dtype):
@@ -142,6 +145,7 @@ def test_fused_kernels_match_reference_on_cuda(dtype):
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), kernels.rms_norm_reference(x, w, 1e-5), **tol)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels run on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_rope_matches_reference_on_a_gpu_without_te(dtype, monkeypatch):
@@ -167,6 +171,7 @@ def test_compiled_rope_matches_reference_on_a_gpu_without_te(dtype, monkeypatch)
             torch.testing.assert_close(grad.double(), dt64, **tol)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TE's fused RoPE runs on CUDA only")
 def test_rope_fusion_follows_te_and_the_flag_on_both_backends():
     """Megatron-LM's own RoPE-fusion setting (on unless --no-rope-fusion; validation turns it off where TE has no

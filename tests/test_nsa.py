@@ -112,6 +112,7 @@ def test_gradient_reaches_keys_values_and_the_gate_through_each_branch(branch):
     assert all(g > 0 for g in gate_grads), gate_grads
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's NSA kernels run on CUDA only")
 @pytest.mark.skipif(not fla_available(), reason="fla-core is not installed (pip install -e '.[nsa]')")
 def test_fused_kernels_equal_the_reference_on_the_gpu():

@@ -7,6 +7,7 @@ from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
 
 
+@pytest.mark.gpu
 def test_the_forward_keeps_no_logits_and_generation_gets_megatrons_logits(saved_tensors):
     """Without chunks the loss keeps the micro-batch's logits (fp32 copies in megatron-core's loss) for the
     backward; in chunks it keeps none (each chunk's are recomputed in the backward). Without labels (generation)

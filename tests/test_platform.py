@@ -166,6 +166,7 @@ if kernel is not None:
 """
 
 
+@pytest.mark.gpu
 def test_wgrad_accumulation_kernel_needs_apex_or_te(py):
     """megatron-core's own linears fuse weight-gradient accumulation only with Apex's kernel; without Apex it comes
     from TE's GEMM, and with neither (CPU) there is none. On a GPU with TE: main_grad holds the sum of two

@@ -23,6 +23,7 @@ def test_litespark_local_equals_stock_local(py):
     assert r["grad_max_rel_diff"] <= 1e-4
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the te backend needs a CUDA GPU and Transformer Engine")
 @pytest.mark.parametrize("litespark", ["litespark", "litespark --core-attention te"], ids=["sdpa", "te-attention"])
 def test_litespark_te_equals_stock_te(py, litespark):
@@ -89,6 +90,7 @@ def test_unknown_backend_and_spec_are_refused():
         resolve_quietly(["--model", "tiny", "--spec", "gpt2"])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused cross-entropy kernels run on CUDA only")
 def test_fused_cross_entropy_equals_unfused(py):
     """--cross-entropy-loss-fusion (both implementations) computes megatron-core's cross-entropy: same per-token
@@ -103,6 +105,7 @@ def test_fused_cross_entropy_equals_unfused(py):
         assert r[impl]["grad_max_rel_diff"] <= 2e-2, r
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("model", ["rope-gqa", "nope-gqa", "nope-mha"])
 def test_litespark_attention_does_not_keep_the_qkv_buffer_for_the_backward(saved_tensors, model):
     """Key and value (and under MHA the query) come out of the QKV projection as views of one buffer. The Litespark
