@@ -20,3 +20,7 @@ _warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Ap
 _warnings.filterwarnings("ignore", message=r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version "
                                            r"is 0\.0\.0\.")
 _warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental")
+# Transformer Engine's package warns on import, wherever Jax is also installed (a common GPU image), that its Jax
+# extension is missing: this package runs TE's PyTorch side only.
+_warnings.filterwarnings("ignore", message=r"Detected a Jax installation but could not find the shared object file "
+                                           r"for the Transformer Engine Jax extension")
