@@ -18,7 +18,8 @@ The two weight layouts that differ (megatron-core's, in every layout; HF's Llama
 RoPE needs no permutation (HF's Llama rotates halves, as megatron-core's default RoPE does), and Llama-3 RoPE
 scaling is megatron-core's --use-rope-scaling (its low/high frequency factors and original context are Llama 3's:
 other values are refused). The vocabulary is stored unpadded; the rows Megatron-LM pads it with for TP are masked
-out of the logits (model.py) and dropped on export.
+out of the logits (model.py) and dropped on export. Rows a model has beyond its tokenizer's tokens are its own:
+model.yaml gives its size (--padded-vocab-size), so none of them is padding.
 
 Memory: import writes each converted tensor into its own file-backed buffer beside the output (the page cache holds
 it, not the process), so the process holds about one tensor at a time; export holds one layer and one output shard
@@ -425,8 +426,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
     weights.check(shape.hf_names(), hf_dir)
     flags = model_flags(config)
     tokenizer_dir = tokenizer or (hf_dir if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) else None)
-    if tokenizer_dir is not None:
-        _check_tokenizer(tokenizer_dir, shape.vocab)
+    tokenizer_vocab = None if tokenizer_dir is None else _check_tokenizer(tokenizer_dir, shape.vocab)
     torch_dtype = DTYPES[dtype] if dtype else weights.dtype()
     if torch_dtype is None:
         raise ConversionError(f"{hf_dir}: weights stored in another dtype than bf16, fp16 or fp32; give --dtype")
@@ -461,7 +461,8 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
                     save_checkpoint(0, [model], None, None, 0, release=True)
             finally:
                 buffer.close()
-        _write_model_yaml(os.path.join(tmp, "model.yaml"), flags, tokenizer_dir and os.path.join(out, "tokenizer"))
+        _write_model_yaml(os.path.join(tmp, "model.yaml"), flags, tokenizer_dir and os.path.join(out, "tokenizer"),
+                          tokenizer_vocab)
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, os.path.join(tmp, "tokenizer"))
         _commit(tmp, out)
@@ -471,7 +472,8 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
     return flags
 
 
-def _check_tokenizer(tokenizer_dir: str, vocab: int) -> None:
+def _check_tokenizer(tokenizer_dir: str, vocab: int) -> int:
+    """The tokenizer's vocabulary, refused if it outgrows the model's."""
     from .data import DataError, load_tokenizer
 
     try:
@@ -481,6 +483,7 @@ def _check_tokenizer(tokenizer_dir: str, vocab: int) -> None:
     if tok.vocab_size > vocab:
         raise ConversionError(f"{tokenizer_dir}: the tokenizer has {tok.vocab_size} tokens but the model's embedding "
                               f"{vocab} rows (config.json vocab_size): they are not one model's")
+    return tok.vocab_size
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -490,12 +493,16 @@ def _copy_tokenizer(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
-def _write_model_yaml(path: str, flags: Dict[str, object], tokenizer_dir: Optional[str]) -> None:
+def _write_model_yaml(path: str, flags: Dict[str, object], tokenizer_dir: Optional[str],
+                      tokenizer_vocab: Optional[int]) -> None:
     import yaml
 
     data = dict(flags)
     if tokenizer_dir:
-        data.pop("vocab-size")  # the tokenizer's; checked against the checkpoint at load
+        rows = data.pop("vocab-size")  # a HF tokenizer's run takes its size from the tokenizer (padded for TP)
+        if tokenizer_vocab < rows:
+            # Rows without tokens are the model's all the same: its exact size, none of them padding (model.own_vocab)
+            data.update({"padded-vocab-size": rows, "no-pad-vocab-size": True})
         data.update({"tokenizer-type": "HuggingFaceTokenizer", "tokenizer-model": os.path.abspath(tokenizer_dir)})
     else:
         data["tokenizer-type"] = "NullTokenizer"
@@ -549,8 +556,13 @@ def _imported_tokenizer(directory: str) -> Optional[str]:
 
 
 def _true_vocab(args, rows: int, vocab: Optional[int]) -> int:
-    """The vocabulary without Megatron-LM's TP padding: --vocab-size given to export, else the run's tokenizer as
-    megatron.training builds it (the size whose padded rows the trainer masked)."""
+    """The vocabulary without Megatron-LM's TP padding: --vocab-size given to export, else the model's own
+    vocabulary with the run's tokenizer as megatron.training builds it (the size whose padded rows the trainer
+    masked, model.own_vocab)."""
+    from .model import own_vocab
+
+    if vocab is None:
+        vocab = own_vocab(args, None)  # the model's size, where the run gave it
     if vocab is None:
         from .arguments import _megatron_tokenizer
 

@@ -14,6 +14,7 @@ import functools
 import math
 import re
 import zlib
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -46,19 +47,30 @@ def model_config_from_args(args):
 
 
 def _unpadded_vocab(args) -> int:
-    """The tokenizer's vocabulary: megatron.training's global tokenizer (built from the arguments), else
-    --vocab-size."""
+    """The model's own vocabulary (own_vocab) with megatron.training's global tokenizer (built from the arguments),
+    else --vocab-size."""
     from megatron.training.global_vars import _GLOBAL_TOKENIZER
 
-    return _GLOBAL_TOKENIZER.vocab_size if _GLOBAL_TOKENIZER is not None else args.vocab_size
+    return own_vocab(args, _GLOBAL_TOKENIZER.vocab_size if _GLOBAL_TOKENIZER is not None else args.vocab_size)
 
 
 # --------------------------------------------------------------------------------------------- vocabulary padding
+def own_vocab(args, tokenizer_vocab: Optional[int]) -> Optional[int]:
+    """The model's rows before Megatron-LM pads them: the tokenizer's vocabulary, unless the arguments give the
+    model's size, --padded-vocab-size with --no-pad-vocab-size (what an import of a model with more rows than its
+    tokenizer has tokens writes, as many published models have). Megatron-LM then builds exactly those rows, pads
+    none, and all of them are the model's."""
+    if not getattr(args, "pad_vocab_size", True) and getattr(args, "padded_vocab_size", None):
+        return args.padded_vocab_size
+    return tokenizer_vocab
+
+
 def mask_padded_vocab(chunks, vocab: int):
     """Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP; the padded rows are no
     tokens, yet their logits would enter the softmax of the loss (and of sampling). Their logits are set to -inf
     in the output layer, so the loss is the unpadded model's: the loss of a HF model imported here equals
-    transformers', whatever TP pads. Only the ranks holding padded columns do anything, in place on those
+    transformers', whatever TP pads. `vocab` is the model's own vocabulary (own_vocab): rows of the model beyond
+    its tokenizer's tokens are not padding. Only the ranks holding padded columns do anything, in place on those
     columns (their gradient is then 0)."""
     for chunk in chunks:
         layer = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None

@@ -16,13 +16,13 @@ VOCAB = 301  # TP pads it (to 384 at TP1, 512 at TP2): the padded rows must not 
 SEQ = 32
 
 
-def make_hf_llama(path, tied: bool, seed: int = 0):
+def make_hf_llama(path, tied: bool, seed: int = 0, vocab: int = VOCAB):
     """A random Llama-3-style model saved with save_pretrained, fp32. Weights larger than the default init, so
     that logits are O(1) and a wrong layout or a missing RoPE scaling shows."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
                          rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.15,
                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -197,6 +197,35 @@ def test_finetune_starts_from_transformers_loss_and_the_trained_model_exports_wi
     with torch.no_grad():
         after = hf_model(exported)(sample, labels=sample).loss.item()
     assert abs(after - val) < 1e-3, (after, val)
+
+
+def test_a_model_with_more_rows_than_its_tokenizer_has_tokens_trains_and_exports_them_all(tmp_path):
+    """Published models often have more embedding rows than their tokenizer has tokens (here 384 and 301): those rows
+    are the model's, in transformers' softmax, so they stay unmasked, and export keeps them. (Megatron-LM pads the
+    tokenizer's 301 to 384 rows at TP1 and 512 at TP2: only rows beyond the model's own are padding.)"""
+    rows = 384
+    hf = make_hf_llama(tmp_path / "hf", tied=False, vocab=rows)
+    save_word_tokenizer(hf)
+    ckpt, save, exported = tmp_path / "ckpt", tmp_path / "trained", tmp_path / "exported"
+    ok(convert("import", hf, ckpt))
+    document = tokens_for(6, rows=1)[0]
+    write_repeated_document(tmp_path / "data", document.tolist())
+    sample = torch.cat([document, document[:1]]).unsqueeze(0)
+    with torch.no_grad():
+        expected = hf_model(hf)(sample, labels=sample).loss.item()
+
+    metrics = tmp_path / "metrics.jsonl"
+    ok(train(2, "--config", ckpt / "model.yaml", "--load", ckpt, "--finetune", "--tensor-model-parallel-size", 2,
+             "--data-path", tmp_path / "data", "--split", "90,10,0", "--seq-length", SEQ, "--micro-batch-size", 2,
+             "--lr", "1e-3", "--train-iters", 1, "--log-interval", 1, "--eval-interval", 10, "--eval-iters", 0,
+             "--save", save, "--save-interval", 1, "--metrics-file", metrics))
+    loss = records(metrics, "train")[0]["loss"]
+    assert abs(loss - expected) < 1e-5, (loss, expected)
+
+    ok(convert("export", save, exported))
+    assert json.loads((exported / "config.json").read_text())["vocab_size"] == rows
+    back = hf_tensors(exported)
+    assert back["model.embed_tokens.weight"].shape[0] == back["lm_head.weight"].shape[0] == rows
 
 
 def test_a_run_with_zero_centered_norms_exports_the_norm_weights_transformers_computes(tmp_path):
