@@ -694,6 +694,7 @@ def check_run(args, plat, world: int) -> None:
             # RoPE exists, which only the node can answer; the rest of the model's checks hold here too.
             model = argparse.Namespace(**{**vars(args), "apply_rope_fusion": False})
         model_config_check(model)
+    learning_rate_schedule(args)
     check_checkpoints(args)
 
 
@@ -820,6 +821,10 @@ def check_checkpoints(args) -> None:
         if not isinstance(saved, argparse.Namespace):
             continue  # none, or the earlier trainer's (legacy.py)
         _check_checkpoint_model(args, saved, f"{flag} {load_dir}")
+        # megatron.training resumes the schedule of --load's checkpoint, not of a release or --finetune's
+        if flag == "--load" and not (os.path.basename(directory) == "release" or args.finetune or
+                                     args.no_load_optim):
+            _check_checkpoint_schedule(args, common.get("opt_param_scheduler"), f"{flag} {load_dir}")
 
 
 # The arguments of a model a checkpoint's and the run's must agree on: the parameters' shapes, and what the same
@@ -922,5 +927,63 @@ def parse_checked(argv: Sequence[str], plat) -> argparse.Namespace:
     check(args, plat)
     megatron_validate(args)
     model_config_check(args)
+    learning_rate_schedule(args)
     check_checkpoints(args)
     return args
+
+
+def learning_rate_schedule(args) -> Optional[dict]:
+    """The state megatron.training's learning-rate scheduler starts this run with (its own builder, on a copy of the
+    arguments, for an optimizer without parameters); None without training. Its bare asserts as one line."""
+    if args.skip_train or not (args.train_iters or args.train_samples):
+        return None
+    import logging
+    from types import SimpleNamespace
+
+    from megatron.core import optimizer_param_scheduler
+    from megatron.training import global_vars
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    previous = global_vars._GLOBAL_ARGS
+    global_vars.set_args(argparse.Namespace(**vars(args)))  # the builder reads get_args() and sets some of them
+    log = logging.getLogger(optimizer_param_scheduler.__name__)
+    level = log.level
+    log.setLevel(logging.WARNING)  # its "decay style" line: the run's own scheduler logs it
+    try:
+        return get_optimizer_param_scheduler(SimpleNamespace(param_groups=[])).state_dict()
+    except AssertionError as e:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"Megatron-LM refuses this learning-rate schedule: {str(e).strip() or frame.line} "
+                          f"({os.path.basename(frame.filename)})") from None
+    finally:
+        global_vars.set_args(previous)
+        log.setLevel(level)
+
+
+# megatron-core's OptimizerParamScheduler state a resumed run must agree on: what it is, and its unit. The steps are
+# samples: iterations x --global-batch-size, or --train-samples.
+SCHEDULE = {"max_lr": ("--lr", ""), "min_lr": ("--min-lr", ""), "lr_warmup_steps": ("LR warmup over", " samples"),
+            "lr_decay_steps": ("LR decay over", " samples"), "lr_decay_style": ("--lr-decay-style", ""),
+            "start_wd": ("--start-weight-decay", ""), "end_wd": ("--end-weight-decay", ""),
+            "wd_incr_steps": ("weight-decay increment over", " samples"),
+            "wd_incr_style": ("--weight-decay-incr-style", "")}
+
+
+def _check_checkpoint_schedule(args, saved: Optional[dict], where: str) -> None:
+    """A resumed run's learning-rate schedule against the checkpoint's: megatron-core asserts they are equal unless
+    told which one to follow (after the process groups are up)."""
+    if saved is None or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    run = learning_rate_schedule(args)
+    if run is None:
+        return
+    differences = []
+    for key, (what, unit) in SCHEDULE.items():
+        if key in saved and key in run and saved[key] != run[key]:
+            theirs, ours = (f"{v:g}" if isinstance(v, float) else str(v) for v in (saved[key], run[key]))
+            differences.append(f"{what} {theirs}{unit} there, {ours} here")
+    if differences:
+        raise ConfigError(f"{where}: its learning-rate schedule is not this run's ({'; '.join(differences)}), and "
+                          "megatron-core refuses to resume it so: add --override-opt_param-scheduler to follow this "
+                          "run's schedule from the checkpoint's step on, or --use-checkpoint-opt_param-scheduler to "
+                          "keep the checkpoint's")

@@ -443,3 +443,37 @@ def test_the_checkpoints_own_model_loads_and_checkpoint_args_are_compared_too(ti
         arguments.parse_checked(bare + load + ["--num-layers", "2"], CPU)
     assert str(e.value) == (f"--load {tiny_checkpoint}: the checkpoint holds another model than these flags build "
                             "(--num-layers 4 there, 2 here); give the model flags of the run that saved it")
+
+
+SCHEDULE_FLAGS = ("add --override-opt_param-scheduler to follow this run's schedule from the checkpoint's step on, "
+                  "or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+@pytest.mark.parametrize("flags, differences", [
+    (["--train-iters", "8"], "LR decay over 32 samples there, 64 here; weight-decay increment over 32 samples "
+                             "there, 64 here"),
+    (["--lr", "1e-3", "--lr-decay-style", "cosine"], "--lr 0.003 there, 0.001 here; --lr-decay-style linear there, "
+                                                     "cosine here"),
+], ids=["train-iters", "lr"])
+def test_a_resume_with_another_learning_rate_schedule_names_megatron_lms_two_flags(tiny_checkpoint, flags,
+                                                                                   differences):
+    """megatron-core's OptimizerParamScheduler asserts that a resumed run's schedule is the checkpoint's unless told
+    which one to follow: a traceback after the process groups were up. The run's schedule (megatron.training's own
+    builder) is compared with the checkpoint's before anything starts."""
+    with pytest.raises(ConfigError) as e:
+        arguments.parse_checked(RESUME + flags + ["--load", str(tiny_checkpoint)], CPU)
+    assert str(e.value) == (f"--load {tiny_checkpoint}: its learning-rate schedule is not this run's ({differences}), "
+                            f"and megatron-core refuses to resume it so: {SCHEDULE_FLAGS}")
+    longer = RESUME + flags + ["--load", str(tiny_checkpoint)]
+    for chosen in (["--override-opt_param-scheduler"], ["--use-checkpoint-opt_param-scheduler"], ["--finetune"],
+                   ["--no-load-optim"]):  # told which to follow; or the checkpoint's schedule is not loaded
+        arguments.parse_checked(longer + chosen, CPU)
+
+
+def test_a_schedule_megatron_core_cannot_build_is_one_line():
+    """A warmup as long as the decay is megatron-core's bare assert in OptimizerParamScheduler, after the process
+    groups were up."""
+    with pytest.raises(ConfigError) as e:
+        arguments.parse_checked(TINY + ["--lr-warmup-iters", "2"], CPU)
+    assert str(e.value) == ("Megatron-LM refuses this learning-rate schedule: assert self.lr_warmup_steps < "
+                            "self.lr_decay_steps (optimizer_param_scheduler.py)")

@@ -79,6 +79,23 @@ def test_load_of_another_model_is_refused_in_one_line_before_any_work(saved_run,
     assert "Traceback" not in proc.stderr and not other.exists()
 
 
+def test_a_longer_resume_names_the_schedule_flags_and_trains_with_one(saved_run, tmp_path):
+    """Resumed with a larger --train-iters, megatron-core's OptimizerParamScheduler asserted in the loader ("class
+    input value 64 and checkpointvalue 48 for total number of iterations do not match", a traceback); now one line
+    before any work names Megatron-LM's two flags, and with one of them the run trains on to the new end."""
+    longer = tmp_path / "longer"
+    proc = train(1, *MOCK, "--train-iters", "8", "--load", saved_run, "--save", longer)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"litespark-train: error: --load {saved_run}: its learning-rate schedule is not this run's (LR decay over 48 "
+        "samples there, 64 here; weight-decay increment over 48 samples there, 64 here), and megatron-core refuses to "
+        "resume it so: add --override-opt_param-scheduler to follow this run's schedule from the checkpoint's step "
+        "on, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    assert "Traceback" not in proc.stderr and not longer.exists()
+    ok(train(1, *MOCK, "--train-iters", "8", "--load", saved_run, "--save", longer, "--override-opt_param-scheduler"))
+    assert sorted(losses(longer / "metrics.jsonl")) == [7, 8]
+
+
 def _wait_for_step(metrics, step, proc, timeout=240):
     deadline = time.time() + timeout
     while time.time() < deadline:
