@@ -1,7 +1,8 @@
 """The --save directory survives what happens to runs (litespark_megatron/checkpoint_dir.py): a save killed half-way
 is removed at the next start and the run resumes from the checkpoint before it, --keep-last-checkpoints keeps the
-newest complete ones, a complete checkpoint is not rewritten in place, and a second run on a directory in use is
-refused before it writes anything."""
+newest complete ones, a complete checkpoint is not rewritten in place, a failed save says why and how to go on, and
+a second run on a directory in use and a run that would overwrite checkpoints it did not load are refused before
+they write anything."""
 import fcntl
 import os
 import re
@@ -31,26 +32,132 @@ def test_megatron_training_still_saves_through_the_wrapped_functions():
     assert "save_checkpoint_and_time(" in inspect.getsource(training.checkpoint_and_decide_exit)
     assert checkpointing.get_checkpoint_tracker_filename("d") == "d/latest_checkpointed_iteration.txt"
     assert checkpointing.get_checkpoint_name("d", 7, return_base_dir=True) == "d/iter_0000007"
+    # A checkpoint is complete when its metadata.json is there: megatron-core writes it after every rank's shards
+    # (for an async save, in the finalization), and megatron.training moves the tracker after that.
+    from megatron.core.dist_checkpointing import core, serialization
+
+    assert core.CONFIG_FNAME == "metadata.json"
+    save = inspect.getsource(serialization.save)
+    assert save.index("sharded_strategy.save(") < save.index("metadata_finalize_fn()", save.index(
+        "sharded_strategy.save(")) and "async_request.finalize_fns.append(metadata_finalize_fn)" in save
 
 
-def _fake_save_dir(root, iterations, tracker):
+def _fake_save_dir(root, iterations, tracker, unfinished=()):
+    """A --save directory as megatron.training leaves it: `iterations` complete (their metadata.json, the file
+    megatron-core writes once a torch_dist save has finished), `unfinished` with a shard and nothing else."""
     root.mkdir()
     for i in iterations:
         (root / f"iter_{i:07d}").mkdir()
+        (root / f"iter_{i:07d}" / "__0_0.distcp").write_bytes(b"shard")
+        (root / f"iter_{i:07d}" / "metadata.json").write_text('{"sharded_backend": "torch_dist", '
+                                                              '"sharded_backend_version": 1}')
+    for i in unfinished:
+        (root / f"iter_{i:07d}").mkdir()
+        (root / f"iter_{i:07d}" / "__0_0.distcp").write_bytes(b"the first bytes")
     if tracker is not None:
         (root / "latest_checkpointed_iteration.txt").write_text(str(tracker))
     return str(root)
 
 
-def test_complete_and_unfinished_are_decided_by_the_tracker(tmp_path):
-    d = _fake_save_dir(tmp_path / "a", [2, 4, 6, 8], tracker=6)
-    assert checkpoint_dir.unfinished(d) == [8]  # newer than the tracker: its save never completed
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_complete_and_unfinished_are_decided_by_what_a_finished_save_writes(tmp_path):
+    d = _fake_save_dir(tmp_path / "a", [2, 4, 6], tracker=6, unfinished=[8])
+    assert checkpoint_dir.unfinished(d) == [8]  # no metadata.json: its save never completed
     assert checkpoint_dir.superseded(d, keep=2) == [2]  # never the tracker's (6), never one newer than it (8)
     assert checkpoint_dir.superseded(d, keep=5) == []
-    d = _fake_save_dir(tmp_path / "b", [2], tracker=None)
+    d = _fake_save_dir(tmp_path / "b", [], tracker=None, unfinished=[2])
     assert checkpoint_dir.unfinished(d) == [2] and checkpoint_dir.superseded(d, keep=1) == []
     d = _fake_save_dir(tmp_path / "c", [], tracker="release")
     assert checkpoint_dir.tracked_iteration(d) == 0 and checkpoint_dir.unfinished(d) == []
+    # A tracker moved back (a run that trained from scratch into a directory of a longer run, before such a start
+    # was refused): iteration 10 is newer than the tracker, and complete. It is no unfinished save.
+    d = _fake_save_dir(tmp_path / "d", [5, 10], tracker=5)
+    assert checkpoint_dir.unfinished(d) == [] and checkpoint_dir.superseded(d, keep=1) == []
+    # A metadata.json cut short (killed while megatron-core wrote it) is no finished save.
+    (tmp_path / "d" / "iter_0000010" / "metadata.json").write_text('{"sharded_ba')
+    assert checkpoint_dir.unfinished(d) == [10]
+    # Megatron-LM's legacy format writes no such file: the tracker is the only line there.
+    e = tmp_path / "e"
+    for i in (2, 4):
+        (e / f"iter_{i:07d}" / "mp_rank_00").mkdir(parents=True)
+        (e / f"iter_{i:07d}" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"state")
+    (e / "latest_checkpointed_iteration.txt").write_text("2")
+    assert checkpoint_dir.unfinished(str(e), ckpt_format="torch") == [4]
+
+
+def _args(save, **flags):
+    """The arguments checkpoint_dir reads, as megatron.training's parser leaves them unless given."""
+    from types import SimpleNamespace
+
+    defaults = dict(load=None, finetune=False, no_load_optim=False, ckpt_step=None, ckpt_format="torch_dist",
+                    keep_last_checkpoints=None)
+    return SimpleNamespace(save=str(save), **{**defaults, **flags})
+
+
+def _refused(args) -> str:
+    import pytest
+
+    with pytest.raises(checkpoint_dir.ConfigError) as refused:
+        checkpoint_dir.clean(args)
+    return str(refused.value)
+
+
+def test_a_start_that_would_overwrite_checkpoints_it_did_not_load_is_refused(tmp_path):
+    """A run writes iter_N of every iteration it saves, in place, and moves the tracker to it: one that did not load
+    the checkpoints of its --save directory would overwrite them (and before, the next start removed the newer
+    ones as unfinished). Refused with one line; the directory is as it was."""
+    x = tmp_path / "x"
+    _fake_save_dir(x, [2, 4], tracker=4, unfinished=[6])
+    before = _listing(x)
+    assert _refused(_args(x)) == (
+        f"--save {x} holds checkpoints (the newest: iteration 4) that this run does not load: its saves would "
+        f"replace them; add --load {x} to continue from them, or give this run another --save")
+    y = _fake_save_dir(tmp_path / "y", [8], tracker=8)
+    assert _refused(_args(x, load=y)) == (
+        f"--save {x} holds checkpoints (the newest: iteration 4) and this run loads --load {y}: its saves would "
+        f"replace them; --load {x} continues from them, or give this run another --save")
+    # Loaded, but from an iteration before some of them: those would be overwritten.
+    assert _refused(_args(x, load=str(x), ckpt_step=2)) == (
+        f"--save {x} holds complete checkpoints newer than iteration 2, where this run starts (--ckpt-step 2): "
+        "iteration 4; its saves would overwrite them: give this run another --save")
+    assert _refused(_args(x, load=str(x), finetune=True)) == (
+        f"--save {x} holds complete checkpoints newer than iteration 0, where this run starts (--finetune): "
+        "iterations 2, 4; its saves would overwrite them: give this run another --save")
+    assert _listing(x) == before
+    # A directory whose tracker a from-scratch run moved back: the newer complete checkpoint stays, and the
+    # plain resume, which would start from the tracker's, is refused with the way to the newest.
+    z = tmp_path / "z"
+    _fake_save_dir(z, [5, 10], tracker=5)
+    assert _refused(_args(z, load=str(z))) == (
+        f"--save {z} holds complete checkpoints newer than iteration 5, where this run starts (the tracker's): "
+        "iteration 10; its saves would overwrite them: --ckpt-step 10 continues from the newest, or give this run "
+        "another --save")
+    assert (z / "iter_0000010" / "metadata.json").exists()
+
+
+def test_a_start_that_loads_its_save_directory_or_finds_no_checkpoint_there_goes_on(tmp_path):
+    x = tmp_path / "x"
+    _fake_save_dir(x, [2, 4], tracker=4, unfinished=[6])
+    checkpoint_dir.clean(_args(x, load=str(x) + "/", no_load_optim=True))  # the same directory, spelled otherwise
+    assert sorted(p.name for p in x.glob("iter_*")) == ["iter_0000002", "iter_0000004"]  # 6: unfinished, removed
+    checkpoint_dir.clean(_args(x, load=str(x), ckpt_step=4))
+    checkpoint_dir.clean(_args(x, load=str(x)))
+    # Nothing complete there: a start without --load (unfinished saves go).
+    y = tmp_path / "y"
+    _fake_save_dir(y, [], tracker=None, unfinished=[2])
+    checkpoint_dir.clean(_args(y))
+    assert not list(y.glob("iter_*"))
+    # An imported (release) checkpoint: --finetune from it starts at iteration 0 and overwrites nothing.
+    r = tmp_path / "r"
+    _fake_save_dir(r, [], tracker="release")
+    (r / "release").mkdir()
+    checkpoint_dir.clean(_args(r, load=str(r), finetune=True))
+    assert _refused(_args(r)) == (
+        f"--save {r} holds checkpoints (a release checkpoint) that this run does not load: its saves would "
+        f"replace them; add --load {r} to continue from them, or give this run another --save")
 
 
 def test_killed_save_is_removed_and_the_run_resumes_from_the_one_before(tmp_path):
@@ -92,19 +199,91 @@ def test_killed_save_is_removed_and_the_run_resumes_from_the_one_before(tmp_path
     assert metadata.stat().st_mtime_ns == before
 
 
+def test_a_run_that_does_not_load_its_save_directory_leaves_the_checkpoints_there(tmp_path):
+    """`--save X --load X` trains 4 of 6 steps (checkpoints 2 and 4). `--save X` alone trained from scratch, rewrote
+    iter_0000002 in place and moved the tracker back to 2; the next `--save X --load X` then removed iteration 4 as
+    a save that did not finish. Now that start is refused with one line before it writes anything, and the third
+    resumes from 4."""
+    save = tmp_path / "ow"
+    flags = [*MOCK, "--train-iters", "6", "--save-interval", "2", "--save", save]
+    ok(train(1, *flags, "--load", save, "--exit-interval", "4"))
+    saved = {p: p.stat().st_mtime_ns for p in save.glob("iter_*/*")}
+    proc = train(1, *flags)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"litespark-train: error: --save {save} holds checkpoints (the newest: iteration 4) that this run does not "
+        f"load: its saves would replace them; add --load {save} to continue from them, or give this run another "
+        "--save")
+    assert {p: p.stat().st_mtime_ns for p in save.glob("iter_*/*")} == saved
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resumed = ok(train(1, *flags, "--load", save))
+    assert "successfully loaded checkpoint" in resumed.stdout and "removing" not in resumed.stdout
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002", "iter_0000004", "iter_0000006"]
+    assert [r["step"] for r in records(save / "metrics.jsonl", "train")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_failed_save_is_one_line_and_the_previous_checkpoint_stays(tmp_path):
     """The filesystem fills up while iteration 4 is written (tests/disk_full_in_save.py fails megatron-core's writer
-    with ENOSPC mid-file): one line on stderr instead of every rank's traceback, exit 1, the tracker at 2."""
+    with ENOSPC mid-file): one line on stderr naming the cause instead of every rank's traceback, exit 1, the tracker
+    at 2. The run had no --load: the same command would not resume, the line says how to."""
     save = tmp_path / "run"
     proc = run([sys.executable, ROOT / "tests" / "disk_full_in_save.py", *MOCK, "--train-iters", "6",
                 "--save-interval", "2", "--save", save], env=child_env(MASTER_PORT=free_port(), DISK_FULL_AT=4))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"litespark-train: error: saving iteration 4 to {save} failed (") and last.endswith(
-        " GB free there); the checkpoint of iteration 2 stays the latest: fix the storage and start the same "
-        "command again to resume from it"), last
+    assert re.fullmatch(rf"litespark-train: error: saving iteration 4 to {re.escape(str(save))} failed \(No space "
+                        rf"left on device: {re.escape(str(save / 'iter_0000004' / '__0_0.distcp'))}; [\d.]+ GB free "
+                        rf"there\); the checkpoint of iteration 2 stays the latest: free space there, then resume "
+                        rf"from it with --load {re.escape(str(save))}", last), last
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_a_failed_saves_line_says_how_to_go_on_for_the_command_that_ran(tmp_path, capsys):
+    import errno
+
+    import pytest
+
+    x = _fake_save_dir(tmp_path / "x", [2], tracker=2)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{x}/iter_0000004/__0_0.distcp")
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), f"{x}/iter_0000004")
+    empty = _fake_save_dir(tmp_path / "empty", [], tracker=None)
+    for error, args, then in [
+            (full, _args(x, load=x), "the checkpoint of iteration 2 stays the latest: free space there, then start "
+                                     "the same command again to resume from it"),
+            (full, _args(x), f"the checkpoint of iteration 2 stays the latest: free space there, then resume from "
+                             f"it with --load {x}"),
+            (denied, _args(x, load=x), "the checkpoint of iteration 2 stays the latest: fix the storage, then start "
+                                       "the same command again to resume from it"),
+            (full, _args(empty), "no checkpoint is complete yet: free space there and start again")]:
+        with pytest.raises(SystemExit) as exited:
+            checkpoint_dir._failed(error, args, "saving iteration 4")
+        assert exited.value.code == 1
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"litespark-train: error: saving iteration 4 to {args.save} failed "
+                               f"({error.strerror}: {error.filename}; "), line
+        assert line.endswith(f" GB free there); {then}"), line
+
+
+def test_the_cause_of_a_failed_write_is_the_one_megatron_core_logs(tmp_path, capsys):
+    """megatron-core's writer keeps only the class of a failed write in the error it raises ("<class 'OSError'>")
+    and logs the error itself: the line names the logged one."""
+    import logging
+
+    import pytest
+
+    checkpoint_dir._watch_writer()
+    raised = RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").error(
+        "Local worker 0 encountered an error: [Errno 28] No space left on device: '/d/iter_0000004/__0_0.distcp'")
+    x = _fake_save_dir(tmp_path / "x", [2], tracker=2)
+    with pytest.raises(SystemExit):
+        checkpoint_dir._failed(raised, _args(x, load=x), "saving iteration 4")
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"litespark-train: error: saving iteration 4 to {x} failed (No space left on device: "
+                           "/d/iter_0000004/__0_0.distcp; ") and "GB free there); " in line, line
+    assert line.endswith(": free space there, then start the same command again to resume from it"), line
 
 
 def test_a_save_that_fails_on_one_rank_alone_is_said_by_that_rank(tmp_path):
@@ -148,3 +327,4 @@ def test_a_second_run_on_a_locked_save_directory_is_refused(tmp_path):
     # Released (the holder ended): the same command trains.
     ok(train(1, *MOCK, "--train-iters", "3", "--save", save, "--save-interval", "3"))
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
