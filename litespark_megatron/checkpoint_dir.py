@@ -58,9 +58,13 @@ def lock(args) -> None:
     global _lock_fd
     if not args.save or _rank() != 0 or _lock_fd is not None:
         return
-    os.makedirs(args.save, exist_ok=True)
-    path = os.path.join(args.save, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(args.save, exist_ok=True)
+        fd = os.open(os.path.join(args.save, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        blocking = _file_in_the_way(args.save)
+        why = f"{blocking} is a file, not a directory" if blocking else f"cannot create it ({e.strerror})"
+        raise ConfigError(f"--save {args.save}: {why}; give --save a directory this run can write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -78,6 +82,16 @@ def lock(args) -> None:
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
     _lock_fd = fd
+
+
+def _file_in_the_way(path: str) -> Optional[str]:
+    """The part of `path` that exists and is not a directory, if one is."""
+    path = os.path.normpath(path)
+    while path and path != os.path.dirname(path):
+        if os.path.lexists(path):
+            return None if os.path.isdir(path) else path
+        path = os.path.dirname(path)
+    return None
 
 
 # --------------------------------------------------------------------------------------------- the tracker

@@ -1,8 +1,8 @@
 """The --save directory survives what happens to runs (litespark_megatron/checkpoint_dir.py): a save killed half-way
 is removed at the next start and the run resumes from the checkpoint before it, --keep-last-checkpoints keeps the
 newest complete ones, a complete checkpoint is not rewritten in place, a failed save says why and how to go on, and
-a second run on a directory in use and a run that would overwrite checkpoints it did not load are refused before
-they write anything."""
+a second run on a directory in use, a run that would overwrite checkpoints it did not load and a --save that cannot
+be a directory are refused before they write anything."""
 import fcntl
 import os
 import re
@@ -328,3 +328,31 @@ def test_a_second_run_on_a_locked_save_directory_is_refused(tmp_path):
     ok(train(1, *MOCK, "--train-iters", "3", "--save", save, "--save-interval", "3"))
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
+
+def test_a_save_directory_under_a_file_is_one_line(tmp_path):
+    """`--save somefile/ckpt` where somefile is a file: one line naming it and exit 2 before any work (the lock made
+    it a traceback), nothing written."""
+    somefile = tmp_path / "somefile"
+    somefile.write_text("not a directory")
+    proc = train(1, *MOCK, "--train-iters", "3", "--save-interval", "3", "--save", somefile / "ckpt")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"litespark-train: error: --save {somefile / 'ckpt'}: {somefile} is a file, not a directory; give --save a "
+        "directory this run can write")
+    assert "Traceback" not in proc.stderr and somefile.read_text() == "not a directory"
+
+
+def test_a_save_directory_that_cannot_be_made_or_written_is_one_line(tmp_path):
+    import pytest
+
+    somefile = tmp_path / "somefile"
+    somefile.write_text("not a directory")
+    with pytest.raises(checkpoint_dir.ConfigError) as refused:
+        checkpoint_dir.lock(_args(somefile))
+    assert str(refused.value) == (f"--save {somefile}: {somefile} is a file, not a directory; give --save a "
+                                  "directory this run can write")
+    too_long = tmp_path / ("x" * 300) / "ckpt"  # (a read-only directory would not stop root)
+    with pytest.raises(checkpoint_dir.ConfigError) as refused:
+        checkpoint_dir.lock(_args(too_long))
+    assert str(refused.value) == (f"--save {too_long}: cannot create it (File name too long); give --save a "
+                                  "directory this run can write")
