@@ -374,6 +374,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
         raise ConfigError("--fp8-format needs a GPU with FP8 tensor cores (compute capability >= 8.9, e.g. "
                           "H100/H200) and Transformer Engine; use --bf16")
     _check_cuda_graphs(args, plat)
+    _check_logging(args, plat)
     if not plat.te:  # options that exist only as Transformer Engine kernels; megatron-core fails on them mid-setup
         where = "on a CPU: drop it" if plat.device_type == "cpu" else "here: pip install -e '.[te]'"
         if args.use_precision_aware_optimizer:
@@ -504,6 +505,38 @@ def _check_cuda_graphs(args, plat) -> None:
         raise ConfigError("--cuda-graph-impl transformer_engine captures with Transformer Engine's "
                           "make_graphed_callables, and Transformer Engine is not importable here: install it "
                           "(pip install -e '.[te]') or use --cuda-graph-impl local")
+
+
+def _check_logging(args, plat) -> None:
+    """Megatron-LM's profiling and logging flags where megatron.training would fail with them mid-run (CUDA's
+    profiler, memory statistics and NVML on a CPU), or run and log nothing (W&B without TensorBoard)."""
+    if args.profile and args.use_pytorch_profiler and not args.tensorboard_dir:
+        # megatron.training writes the trace to f"{tensorboard_dir}/../torch_profile": without one, into ./None/..
+        raise ConfigError("--profile --use-pytorch-profiler writes its trace to torch_profile/ beside "
+                          "--tensorboard-dir: give --tensorboard-dir")
+    if plat.device_type == "cpu":
+        if args.profile and not args.use_pytorch_profiler:
+            raise ConfigError("--profile without --use-pytorch-profiler starts CUDA's profiler (for nsys) at "
+                              "--profile-step-start, and there is no GPU here: add --use-pytorch-profiler "
+                              "(torch.profiler) or drop --profile")
+        if args.log_memory_to_tensorboard:
+            raise ConfigError("--log-memory-to-tensorboard logs CUDA's memory statistics, and there is no GPU here: "
+                              "drop it")
+        if args.log_energy:
+            raise ConfigError("--log-energy reads the GPUs' energy counters through NVML, and there is no GPU here: "
+                              "drop it")
+    if args.wandb_project:
+        if not args.tensorboard_dir:
+            raise ConfigError("--wandb-project: megatron.training logs to W&B only what it writes to TensorBoard, so "
+                              "without --tensorboard-dir nothing would be logged: add --tensorboard-dir")
+        if not args.save and not args.wandb_save_dir:
+            raise ConfigError("--wandb-project keeps W&B's files in --save's wandb/ unless --wandb-save-dir is given: "
+                              "give one of them")
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project logs to Weights & Biases, and the wandb package is not installed: pip "
+                              "install wandb")
 
 
 def _check_run_control(args) -> None:

@@ -163,6 +163,22 @@ def test_mla_replaces_the_presets_grouped_query_attention():
                  "--async-save with --async-strategy nvrx (Megatron-LM's default) needs nvidia-resiliency-ext",
                  marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
                                           reason="nvidia-resiliency-ext is installed here")),
+    (["--profile"], 1, CPU, "--profile without --use-pytorch-profiler starts CUDA's profiler (for nsys) at "
+     "--profile-step-start, and there is no GPU here: add --use-pytorch-profiler (torch.profiler) or drop --profile"),
+    (["--profile", "--use-pytorch-profiler"], 1, GPU_TE, "--profile --use-pytorch-profiler writes its trace to "
+     "torch_profile/ beside --tensorboard-dir: give --tensorboard-dir"),
+    (["--log-memory-to-tensorboard", "--tensorboard-dir", "tb"], 1, CPU, "--log-memory-to-tensorboard logs CUDA's "
+     "memory statistics, and there is no GPU here: drop it"),
+    (["--log-energy"], 1, CPU, "--log-energy reads the GPUs' energy counters through NVML, and there is no GPU "
+     "here: drop it"),
+    (["--wandb-project", "p"], 1, CPU, "--wandb-project: megatron.training logs to W&B only what it writes to "
+     "TensorBoard, so without --tensorboard-dir nothing would be logged: add --tensorboard-dir"),
+    (["--wandb-project", "p", "--tensorboard-dir", "tb"], 1, CPU, "--wandb-project keeps W&B's files in --save's "
+     "wandb/ unless --wandb-save-dir is given: give one of them"),
+    pytest.param(["--wandb-project", "p", "--tensorboard-dir", "tb", "--wandb-save-dir", "w"], 1, CPU,
+                 "--wandb-project logs to Weights & Biases, and the wandb package is not installed: pip install wandb",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None,
+                                          reason="wandb is installed here")),
     (["--sample-prompt", "def "], 1, CPU, "--sample-prompt needs a text tokenizer"),
     (["--sample-prompt", "def ", "--pipeline-model-parallel-size", "2"], 2, CPU,
      "--sample-prompt runs without pipeline, context or sequence parallelism"),
@@ -172,6 +188,12 @@ def test_bad_configuration_is_refused(argv, world, plat, message, monkeypatch):
     with pytest.raises(ConfigError) as e:
         check(TINY + argv, plat)
     assert message in str(e.value)
+
+
+def test_profiling_on_a_cpu_is_torch_profilers():
+    """What the --profile refusal on a CPU points to passes: torch.profiler, its trace in torch_profile/ beside
+    --tensorboard-dir."""
+    check(TINY + ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb"], CPU)
 
 
 @pytest.mark.parametrize("argv, message", [
