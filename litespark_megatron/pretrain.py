@@ -99,9 +99,10 @@ def loss_func(loss_mask, output_tensor):
 _probed = False
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+def forward_step(data_iterator, model):
     """One micro-batch forward. The first one in this process runs under the backend probe (health.py): which
-    attention kernel and fused paths ran is logged once and recorded for the tools."""
+    attention kernel and fused paths ran is logged once and recorded for the tools. (No return_schedule_plan:
+    --overlap-moe-expert-parallel-comm, under which megatron-core asks for the model's schedule plan, is refused.)"""
     global _probed
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training.training import stimer  # Megatron-LM's --log-straggler timer, as in pretrain_gpt.py
@@ -129,15 +130,16 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def _output_processor() -> dict:
-    """GPTModel.forward's output_processor for --chunked-output-loss; none otherwise (megatron-core's own path)."""
+    """GPTModel.forward's output_processor for --chunked-output-loss and --litespark-cross-entropy; none otherwise
+    (megatron-core's own path)."""
     from megatron.training import get_args
 
-    chunks = get_args().chunked_output_loss
-    if chunks is None:
+    args = get_args()
+    if args.chunked_output_loss is None and not args.litespark_cross_entropy:
         return {}
     from .output_loss import chunked_output_loss
 
-    return {"output_processor": chunked_output_loss(chunks)}
+    return {"output_processor": chunked_output_loss(args.chunked_output_loss, args.litespark_cross_entropy)}
 
 
 def _probed_forward(run, model):
@@ -149,8 +151,14 @@ def _probed_forward(run, model):
     telemetry.begin()
     with health.BackendProbe([model]) as probe:
         output = run()
-    report = probe.report(config=get_model_config(model), requested=health.requested_fusions(get_args()),
-                          device_type=platform.detect().device_type)
+    args, device_type = get_args(), platform.detect().device_type
+    cross_entropy = None
+    if args.litespark_cross_entropy:  # the output processor's loss, not the config's
+        from .kernels.cross_entropy import cross_entropy_path
+
+        cross_entropy = cross_entropy_path(device_type)
+    report = probe.report(config=get_model_config(model), requested=health.requested_fusions(args),
+                          device_type=device_type, cross_entropy=cross_entropy)
     telemetry.record_health(report)
     return output
 
@@ -221,7 +229,7 @@ def prepare(argv):
     checkpoint_dir.clean(args)
     set_global_variables(args)
     if args.exit_signal_handler:
-        _ctrl_c_like(args.exit_signal)
+        _ctrl_c_like(args.exit_signal, saves=bool(args.save))
     return args, plat
 
 
@@ -239,16 +247,27 @@ def _default_stop_signals() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _ctrl_c_like(exit_signal) -> None:
+def _ctrl_c_like(exit_signal, saves: bool) -> None:
     """Ctrl-C (SIGINT) does what --exit-signal-handler's signal does: save at the next step and exit 0, instead of
     a KeyboardInterrupt traceback wherever the run happened to be. The handler re-sends the exit signal to this
     process, so megatron.training's handler (and its agreement of all ranks on the step) does the rest; forked
-    data-loader workers inherit it and stay alive for the steps before the save."""
+    data-loader workers inherit it and stay alive for the steps before the save. megatron.training's exit line names
+    SIGTERM whatever the signal was: rank 0's trainer says first that it was Ctrl-C."""
     import signal
 
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         return  # started to ignore Ctrl-C (a shell's background job): it stays so
-    signal.signal(signal.SIGINT, lambda signum, frame: os.kill(os.getpid(), exit_signal))
+    trainer = os.getpid()
+    then = ": a checkpoint at the next step, then exit" if saves else " at the next step, then exit"
+    line = f"{arguments.PROG}: Ctrl-C (SIGINT): stopping as on {signal.Signals(exit_signal).name} " \
+           f"(--exit-signal-handler){then}\n".encode()
+
+    def handler(signum, frame):
+        if os.getpid() == trainer and os.environ.get("RANK", "0") == "0":
+            os.write(sys.stdout.fileno(), line)  # not print(): the signal may have come in the middle of one
+        os.kill(os.getpid(), exit_signal)
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def train(args, plat) -> int:

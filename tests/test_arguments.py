@@ -163,6 +163,9 @@ def test_mla_replaces_the_presets_grouped_query_attention():
                  "--async-save with --async-strategy nvrx (Megatron-LM's default) needs nvidia-resiliency-ext",
                  marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
                                           reason="nvidia-resiliency-ext is installed here")),
+    (["--overlap-moe-expert-parallel-comm"], 1, GPU_TE, "--overlap-moe-expert-parallel-comm runs megatron-core's "
+     "combined 1F1B schedule, which asks the forward step for the model's schedule plan, and litespark-train's "
+     "forward step builds none: drop the flag"),
     (["--profile"], 1, CPU, "--profile without --use-pytorch-profiler starts CUDA's profiler (for nsys) at "
      "--profile-step-start, and there is no GPU here: add --use-pytorch-profiler (torch.profiler) or drop --profile"),
     (["--profile", "--use-pytorch-profiler"], 1, GPU_TE, "--profile --use-pytorch-profiler writes its trace to "

@@ -132,12 +132,53 @@ def test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly(tmp_path
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     saved = int((interrupted / "latest_checkpointed_iteration.txt").read_text())
     assert 2 <= saved < 40 and "exiting program after receiving SIGTERM" in out and "KeyboardInterrupt" not in err
+    assert out.count(CTRL_C_LINE) == 1, out[-3000:]  # the trainer's, not its data-loader workers' too
     resumed = ok(train(1, *requeueable))
     assert "successfully loaded checkpoint" in resumed.stdout
     a, b = losses(straight / "metrics.jsonl"), losses(interrupted / "metrics.jsonl")
     # Both launches append to one metrics.jsonl: each step once, then bit-exact equality, not approximate.
     assert [r["step"] for r in records(interrupted / "metrics.jsonl", "train")] == list(range(1, 41))
     assert [b[s] for s in range(1, 41)] == [a[s] for s in range(1, 41)], (a, b)
+
+
+def test_the_forward_step_takes_no_schedule_plan_request():
+    """megatron-core asks the forward step for the model's schedule plan (return_schedule_plan=True) only under
+    --overlap-moe-expert-parallel-comm, which is refused (test_arguments); the step took and ignored it, and
+    returned the output where a plan was expected."""
+    from litespark_megatron import pretrain
+
+    with pytest.raises(TypeError, match="return_schedule_plan"):
+        pretrain.forward_step(iter([]), None, return_schedule_plan=True)
+
+
+CTRL_C_LINE = ("litespark-train: Ctrl-C (SIGINT): stopping as on SIGTERM (--exit-signal-handler): a checkpoint at "
+               "the next step, then exit")
+
+
+@pytest.mark.parametrize("saves, then", [(True, ": a checkpoint at the next step, then exit"),
+                                         (False, " at the next step, then exit")], ids=["save", "no-save"])
+def test_ctrl_c_says_what_it_is_before_megatron_training_logs_its_exit_signal(py, saves, then):
+    """megatron.training's exit line names SIGTERM whatever stopped the run; Ctrl-C, re-sent as the exit signal, says
+    first what it was, once: in the trainer, not in its forked data-loader workers (which inherit the handler)."""
+    proc = py("-c", f"""if True:
+        import os, signal, time
+        from litespark_megatron import pretrain
+        got = []
+        signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+        pretrain._ctrl_c_like(signal.SIGUSR1, saves={saves})
+        worker = os.fork()
+        if worker == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+            os._exit(0 if got == [signal.SIGUSR1] else 3)
+        worker_stopped = os.waitpid(worker, 0)[1] == 0
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        print(worker_stopped, got == [signal.SIGUSR1], flush=True)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        f"litespark-train: Ctrl-C (SIGINT): stopping as on SIGUSR1 (--exit-signal-handler){then}", "True True"]
 
 
 def test_a_schedulers_sigterm_to_every_process_saves_and_exits_0(tmp_path):
