@@ -1,5 +1,5 @@
-"""--sample-prompt: the trained model's continuation of a prompt, printed after training (a quick look at what it
-learned: top-k sampling, a full forward per token; not for serving)."""
+"""--sample-prompt: the trained model's greedy continuation of a prompt, printed after training (a quick look at what
+it learned: the most likely token each time, a full forward per token; not for serving)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -36,21 +36,19 @@ def print_sample(args) -> None:
 
     tokenizer_type = None if args.tokenizer_type == "NullTokenizer" else args.tokenizer_type
     tokenizer = load_tokenizer(tokenizer_type, args.tokenizer_model, args.vocab_size)
-    text = sample(_model[0], tokenizer, args.sample_prompt, args.seq_length, max_new_tokens=args.sample_tokens,
-                  seed=args.seed)
+    text = sample(_model[0], tokenizer, args.sample_prompt, args.seq_length, max_new_tokens=args.sample_tokens)
     print_rank_0(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):\n{args.sample_prompt}{text}")
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int = 64, top_k: int = 20,
-           temperature: float = 0.8, seed: int = 0, pad_multiple: int = 16) -> str:
-    """Continue `prompt`; every TP rank draws the same token (same generator seed, gathered logits).
+def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int = 64, pad_multiple: int = 16) -> str:
+    """Continue `prompt` greedily: each new token is the argmax of the whole vocabulary's logits (gathered over TP,
+    so every TP rank takes the same one); stops at the end-of-document token.
 
     The context is right-padded to a multiple of `pad_multiple` tokens: Transformer Engine's FP8 GEMMs refuse a
     token count that is not a multiple of 8/16, and a prompt is a few tokens. The model is causal, so padding after
     the last real token leaves that token's logits unchanged."""
     device = current_device()
-    generator = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(tokenizer.tokenize(prompt)) or [tokenizer.eod]
     start = len(ids)
     was_training = model.training
@@ -61,10 +59,7 @@ def sample(model, tokenizer, prompt: str, seq_length: int, max_new_tokens: int =
             logits = _last_logits(model, context, tokenizer.eod, device, pad_multiple, seq_length)
             if parallel_state.get_tensor_model_parallel_world_size() > 1:
                 logits = gather_from_tensor_model_parallel_region(logits.unsqueeze(0))[0]
-            logits = logits[: tokenizer.vocab_size].cpu() / temperature   # drop the vocabulary padding
-            values, indices = torch.topk(logits, min(top_k, logits.numel()))
-            choice = torch.multinomial(torch.softmax(values, -1), 1, generator=generator)
-            token = int(indices[choice])
+            token = int(torch.argmax(logits[: tokenizer.vocab_size]))  # the vocabulary padding dropped
             if token == tokenizer.eod:
                 break
             ids.append(token)

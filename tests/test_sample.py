@@ -60,3 +60,19 @@ def test_full_window_of_an_odd_sequence_length_runs_unpadded():
     toy = CausalToy()
     sample(toy, Letters(), "abcdefghij", seq_length=10, max_new_tokens=3, pad_multiple=16)
     assert toy.lengths == [10, 10, 10]      # padding to 16 would exceed the 10-token window
+
+
+def test_the_continuation_is_greedy():
+    """The documented sample (README, --help) is the greedy continuation: each token the argmax of the logits
+    after the tokens before it, the same for every seed and TP rank."""
+    toy, letters = CausalToy(), Letters()
+    ids, expected = letters.tokenize("def "), []
+    for _ in range(20):
+        logits = toy(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), None)[0, -1]
+        token = int(logits.argmax())
+        if token == letters.eod:
+            break
+        ids.append(token)
+        expected.append(token)
+    assert sample(CausalToy(), letters, "def ", seq_length=64, max_new_tokens=20, pad_multiple=1) == \
+        letters.detokenize(expected)
