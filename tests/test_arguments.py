@@ -270,13 +270,14 @@ def test_core_attention_te_builds_tes_attention_into_the_litespark_layer(monkeyp
     DotProductAttention as its core attention (with FP8 attention when asked), the default keeps torch SDPA; where
     it cannot apply, one line says why (checked with GPU and CPU platform values)."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
-    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer import transformer_block, transformer_layer
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from litespark_megatron.layers import LitesparkCoreAttention
     from litespark_megatron.model import model_config_from_args
 
     monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: 2)  # no PP
+    monkeypatch.setattr(transformer_layer, "get_transformer_layer_offset", lambda config, vp_stage=None: 0)
 
     def core_attention(argv):
         args = resolve(argv + ["--no-rope-fusion"], GPU_TE)  # no TE here: its fused RoPE cannot be asked for
@@ -317,12 +318,13 @@ def test_core_attention_auto_takes_tes_ring_attention_under_context_parallelism(
     their attention. The model config built from the arguments carries the choice (checked with GPU platform
     values: no TE here)."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
-    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer import transformer_block, transformer_layer
 
     from litespark_megatron.layers import LitesparkCoreAttention
     from litespark_megatron.model import model_config_from_args
 
     monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: 2)  # no PP
+    monkeypatch.setattr(transformer_layer, "get_transformer_layer_offset", lambda config, vp_stage=None: 0)
     te, cp2 = ["--transformer-impl", "transformer_engine"], ["--context-parallel-size", "2"]
 
     def checked(argv, world=2):
