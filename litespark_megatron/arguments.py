@@ -127,6 +127,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "logits in the backward: the micro-batch's logits (fp32 in the fused loss) are never whole "
                         "in memory, for the output layer's GEMM and the loss's forward once more (llama-3b, "
                         "micro-batch 4, H200: 15.4 GiB less for 6.4%% of the step; output_loss.py)")
+    g.add_argument("--litespark-cross-entropy", action="store_true",
+                   help="compute the loss with Litespark's vocab-parallel cross-entropy (kernels/cross_entropy.py; "
+                        "Triton on a GPU, its plain-torch reference elsewhere) instead of megatron-core's: no fp32 "
+                        "copy of the logits, whose memory takes their gradient in the backward; with "
+                        "--chunked-output-loss each chunk's loss runs it")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -393,6 +398,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_fp8_attention(args)
     if args.chunked_output_loss is not None:
         _check_chunked_output_loss(args, tp, cp)
+    if args.litespark_cross_entropy:
+        _check_litespark_cross_entropy(args, plat)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     if args.litespark_spec == "litespark":
@@ -692,6 +699,21 @@ def _check_chunked_output_loss(args, tp: int, cp: int) -> None:
     if args.mtp_num_layers:
         raise ConfigError("--chunked-output-loss with --mtp-num-layers: multi-token prediction computes its own "
                           "logits; the two are not tested together, drop one")
+
+
+def _check_litespark_cross_entropy(args, plat) -> None:
+    """A CPU runs the kernel's plain-torch reference (as it runs every layer's); a GPU must run the kernel."""
+    from .kernels.cross_entropy import triton_available
+
+    if plat.device_type == "cuda" and not triton_available():
+        raise ConfigError("--litespark-cross-entropy on a GPU runs Triton kernels, and Triton does not import here: "
+                          "install torch's CUDA build with its triton, or drop the flag")
+    if args.cross_entropy_loss_fusion:
+        raise ConfigError("--litespark-cross-entropy with --cross-entropy-loss-fusion: two cross-entropy kernels; "
+                          "drop one")
+    if args.mtp_num_layers:
+        raise ConfigError("--litespark-cross-entropy with --mtp-num-layers: multi-token prediction computes its "
+                          "losses with megatron-core's cross-entropy; drop one")
 
 
 def _check_fp8_parameters_optimizer(args) -> None:

@@ -164,15 +164,20 @@ class BackendProbe:
     def attention(self) -> List[AttentionUse]:
         return list(self.seen)
 
-    def report(self, models=None, config=None, requested: Optional[dict] = None,
-               device_type: str = "cuda") -> "Health":
+    def report(self, models=None, config=None, requested: Optional[dict] = None, device_type: str = "cuda",
+               cross_entropy: Optional[str] = None) -> "Health":
+        """`cross_entropy`: the loss a GPTModel output processor runs instead of the config's (Litespark's kernel,
+        kernels/cross_entropy.cross_entropy_path)."""
         fusions = fusion_states(models or self.models, config, device_type) if config is not None else {}
+        if cross_entropy is not None:
+            fusions["cross_entropy"] = cross_entropy
         return assess(self.attention, fusions, requested or {}, device_type)
 
 
 # --------------------------------------------------------------------------------------------- fused paths
 def cross_entropy_state(config) -> str:
-    """'te' / 'native' (the fused vocab-parallel cross-entropy megatron-core's GPTModel runs) or 'off'."""
+    """'te' / 'native' (the fused vocab-parallel cross-entropy megatron-core's GPTModel runs) or 'off'. (Litespark's,
+    'litespark', runs outside the config: BackendProbe.report's `cross_entropy`.)"""
     if not getattr(config, "cross_entropy_loss_fusion", False):
         return "off"
     return getattr(config, "cross_entropy_fusion_impl", "native")
@@ -230,12 +235,14 @@ def fusion_states(models, config, device_type: str) -> Dict[str, str]:
 
 
 def requested_fusions(args) -> Dict[str, bool]:
-    """The fused paths a run's flags ask for (Megatron-LM's flag names): cross-entropy only when asked, RoPE and
-    weight-gradient accumulation unless switched off (--no-rope-fusion, --no-gradient-accumulation-fusion). MLA's
-    plain RoPE has no fused kernel (megatron-core fuses only its YaRN variant): nothing to ask for there."""
+    """The fused paths a run's flags ask for (Megatron-LM's flag names): cross-entropy only when asked (megatron-core's
+    fused one or Litespark's), RoPE and weight-gradient accumulation unless switched off (--no-rope-fusion,
+    --no-gradient-accumulation-fusion). MLA's plain RoPE has no fused kernel (megatron-core fuses only its YaRN
+    variant): nothing to ask for there."""
     rope = getattr(args, "apply_rope_fusion", getattr(args, "rope_fusion", True)) and \
         not getattr(args, "multi_latent_attention", False)
-    return dict(cross_entropy=bool(getattr(args, "cross_entropy_loss_fusion", False)), rope=bool(rope),
+    cross_entropy = getattr(args, "cross_entropy_loss_fusion", False) or getattr(args, "litespark_cross_entropy", False)
+    return dict(cross_entropy=bool(cross_entropy), rope=bool(rope),
                 wgrad_accumulation=bool(getattr(args, "gradient_accumulation_fusion", True)))
 
 

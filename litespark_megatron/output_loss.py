@@ -12,16 +12,32 @@ H200, FP8) 15.4 GiB less peak memory for 6.4% of the step (docs/benchmarks/2026-
 A way to fit a micro-batch, not to gain speed.
 
 It is megatron-core's `output_processor` hook of GPTModel.forward (called on the last pipeline stage): the output
-layer, its weight (tied or not), gradient-accumulation fusion, TP and SP are megatron-core's, unchanged.
+layer, its weight (tied or not), gradient-accumulation fusion, TP and SP are megatron-core's, unchanged. The same
+hook runs the loss through Litespark's cross-entropy kernel (--litespark-cross-entropy, kernels/cross_entropy.py),
+in chunks or not.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def chunked_output_loss(chunks: int):
-    """megatron-core's output_processor computing the per-token loss [b, s] in `chunks` chunks of the sequence."""
+def litespark_loss(tp_group):
+    """megatron-core's compute_language_model_loss (labels [b, s], this rank's logits [s, b, V / TP] -> per-token
+    loss [b, s]) with Litespark's cross-entropy."""
+    from .kernels.cross_entropy import cross_entropy
+
+    def loss(labels, logits):
+        return cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group).transpose(0, 1).contiguous()
+
+    return loss
+
+
+def chunked_output_loss(chunks: Optional[int], litespark_cross_entropy: bool = False):
+    """megatron-core's output_processor computing the per-token loss [b, s] in `chunks` chunks of the sequence (None:
+    at once), with megatron-core's loss or Litespark's cross-entropy."""
 
     def processor(*, hidden_states, output_layer, output_weight, labels, runtime_gather_output,
                   compute_language_model_loss, scale_logits, **unused):
@@ -31,6 +47,10 @@ def chunked_output_loss(chunks: int):
 
         if labels is None:  # generation: the logits, as megatron-core returns them ([b, s, V])
             return logits_of(hidden_states).transpose(0, 1).contiguous()
+        if litespark_cross_entropy:
+            compute_language_model_loss = litespark_loss(output_layer.tp_group)
+        if chunks is None:
+            return compute_language_model_loss(labels, logits_of(hidden_states))
 
         def chunk_loss(h, chunk_labels):
             return compute_language_model_loss(chunk_labels, logits_of(h))

@@ -130,15 +130,16 @@ def forward_step(data_iterator, model):
 
 
 def _output_processor() -> dict:
-    """GPTModel.forward's output_processor for --chunked-output-loss; none otherwise (megatron-core's own path)."""
+    """GPTModel.forward's output_processor for --chunked-output-loss and --litespark-cross-entropy; none otherwise
+    (megatron-core's own path)."""
     from megatron.training import get_args
 
-    chunks = get_args().chunked_output_loss
-    if chunks is None:
+    args = get_args()
+    if args.chunked_output_loss is None and not args.litespark_cross_entropy:
         return {}
     from .output_loss import chunked_output_loss
 
-    return {"output_processor": chunked_output_loss(chunks)}
+    return {"output_processor": chunked_output_loss(args.chunked_output_loss, args.litespark_cross_entropy)}
 
 
 def _probed_forward(run, model):
@@ -150,8 +151,14 @@ def _probed_forward(run, model):
     telemetry.begin()
     with health.BackendProbe([model]) as probe:
         output = run()
-    report = probe.report(config=get_model_config(model), requested=health.requested_fusions(get_args()),
-                          device_type=platform.detect().device_type)
+    args, device_type = get_args(), platform.detect().device_type
+    cross_entropy = None
+    if args.litespark_cross_entropy:  # the output processor's loss, not the config's
+        from .kernels.cross_entropy import cross_entropy_path
+
+        cross_entropy = cross_entropy_path(device_type)
+    report = probe.report(config=get_model_config(model), requested=health.requested_fusions(args),
+                          device_type=device_type, cross_entropy=cross_entropy)
     telemetry.record_health(report)
     return output
 
