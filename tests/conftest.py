@@ -23,12 +23,19 @@ TESTS = ROOT / "tests"
 
 # Two passes (scripts/test.sh). The suite checks the CPU path (gloo, the CPU shims, what a CPU run reports) on every
 # machine: its assertions say what a CPU computes and its layouts start more ranks than a machine has GPUs, so it
-# runs with the GPUs hidden from this process and its children (CUDA reads the variable at its first use, which no
-# test has made yet). On a machine with a GPU, the tests marked `gpu` (CUDA-only ones, and ones that check what must
-# hold on any device) run again, alone, with the GPUs visible: LITESPARK_TEST_GPU=1.
+# runs as on a machine without a GPU: the GPUs hidden from this process and its children (CUDA reads the variable at
+# its first use, which no test has made yet), and Transformer Engine not importable (cpu_machine/sitecustomize.py,
+# first on every child's path). On a machine with a GPU, the tests marked `gpu` (CUDA-only ones, and ones that check
+# what must hold on any device) run again, alone, on the machine as it is: LITESPARK_TEST_GPU=1.
 GPU_PASS = os.environ.get("LITESPARK_TEST_GPU") == "1"
 if not GPU_PASS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["LITESPARK_TEST_NO_TE"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS / "cpu_machine"),
+                                                os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    _spec = importlib.util.spec_from_file_location("litespark_test_cpu_machine",
+                                                   TESTS / "cpu_machine" / "sitecustomize.py")
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))  # this process too
 
 
 def pytest_collection_modifyitems(config, items):

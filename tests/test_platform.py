@@ -2,6 +2,7 @@
 with that exact error in that megatron function; every other test runs with all of them), the library gaps it
 closes on every machine, and the versions the shims were written for."""
 import inspect
+import os
 
 import pytest
 import torch
@@ -13,14 +14,16 @@ F = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "25
      "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--eval-interval", "10"]
 MOE = ["--num-experts", "2", "--moe-token-dispatcher-type", "alltoall"]
 
-# shim -> (processes, extra flags, what megatron raises without it, the megatron function it is raised in)
+# What CUDA says without a GPU: a CPU-only machine's, or a GPU machine's with its GPUs hidden (the suite's CPU pass).
+NO_GPU = ("Found no NVIDIA driver", "No CUDA GPUs are available")
+# shim -> (processes, extra flags, what megatron raises without it (one of), the megatron function it is raised in)
 FAILURES = {
     "init": (1, [], "Megatron requires CUDA.", "initialize_megatron"),
-    "arch": (2, ["--tensor-model-parallel-size", "2"], "Found no NVIDIA driver", "get_device_arch_version"),
+    "arch": (2, ["--tensor-model-parallel-size", "2"], NO_GPU, "get_device_arch_version"),
     "dev": (1, [], "pipeline_model parallel group is not initialized", "get_pipeline_model_parallel_group"),
-    "rng": (1, [], "Found no NVIDIA driver", "model_parallel_cuda_manual_seed"),
-    "misc": (1, [], "Found no NVIDIA driver", "megatron/core/timers.py"),
-    "mode": (1, [], "Found no NVIDIA driver", "program_start_global = torch.tensor("),
+    "rng": (1, [], NO_GPU, "model_parallel_cuda_manual_seed"),
+    "misc": (1, [], NO_GPU, "megatron/core/timers.py"),
+    "mode": (1, [], NO_GPU, "program_start_global = torch.tensor("),
     "streams": (1, MOE, "", "token_dispatcher.py"),
     "spnorm": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--spec", "stock-local"],
                "sequence parallel not supported by torch LayerNorm", "torch_norm.py"),
@@ -90,7 +93,8 @@ def test_shim_fixes_its_failure(shim):
     proc = train(nproc, *F, *flags, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"{shim}: the run passed without its shim"
-    assert message in text and where in text, text[-4000:]
+    messages = message if isinstance(message, tuple) else (message,)
+    assert any(m in text for m in messages) and where in text, text[-4000:]
 
 
 def test_shims_are_idempotent_and_selectable(py):
@@ -454,3 +458,17 @@ def test_only_the_library_noise_is_dropped():
     assert [line.split("UserWarning: ")[1] for line in shown] == [
         "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 1.6.0.",
         "Transformer Engine failed to load its library"], proc.stderr
+
+
+def test_the_suites_cpu_pass_hides_transformer_engine(tmp_path, py):
+    """The CPU pass runs as on a machine without a GPU (conftest.py): a Transformer Engine that is installed does not
+    import in its children, nor in the test process; outside the pass it imports."""
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
+    code = "import transformer_engine; print('imported')"
+    path = os.environ["PYTHONPATH"] + os.pathsep + str(tmp_path)
+    hidden = py("-c", code, PYTHONPATH=path)
+    assert hidden.returncode != 0 and "the test suite's CPU pass hides it" in hidden.stderr, hidden.stderr[-2000:]
+    assert py("-c", code, PYTHONPATH=path, LITESPARK_TEST_NO_TE="0").stdout.strip() == "imported"
+    with pytest.raises(ModuleNotFoundError, match="the test suite's CPU pass hides it"):
+        import transformer_engine.pytorch  # noqa: F401

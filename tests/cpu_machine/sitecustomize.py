@@ -1,0 +1,19 @@
+"""The test suite's CPU pass (tests/conftest.py) puts this folder first on every child's Python path. With
+LITESPARK_TEST_NO_TE=1, Transformer Engine does not import, as on a machine without a GPU: megatron-core takes TE
+wherever it imports, GPU or not, and a CPU run would then reach TE's CUDA kernels."""
+import os
+import sys
+
+HIDDEN = ("transformer_engine", "transformer_engine_torch")
+
+
+class HideTransformerEngine:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named '{name}' (the test suite's CPU pass hides it)", name=name)
+        return None
+
+
+if os.environ.get("LITESPARK_TEST_NO_TE") == "1" and not any(
+        type(finder).__name__ == "HideTransformerEngine" for finder in sys.meta_path):
+    sys.meta_path.insert(0, HideTransformerEngine())
