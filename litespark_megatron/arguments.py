@@ -604,6 +604,12 @@ def _check_moe(args, plat, world: int) -> None:
         raise ConfigError(f"world size {world} is not divisible by expert-TP x EP x PP = {etp} x {ep} x {pp} = "
                           f"{etp * ep * pp} (the experts' layout); start a multiple of {etp * ep * pp} processes or "
                           f"lower --expert-model-parallel-size")
+    freq, layers = args.moe_layer_freq, args.num_layers
+    if not ((isinstance(freq, int) and freq >= 1) or
+            (isinstance(freq, list) and len(freq) == layers and all(x in (0, 1) for x in freq))):
+        # megatron-core reads it so; anything else failed in the FLOP count at the start of training
+        raise ConfigError(f"--moe-layer-freq {freq}: give N >= 1 (every N-th layer MoE) or a list of 0/1, one per "
+                          f"layer ({layers})")
     if tp > 1 and not args.sequence_parallel:
         raise ConfigError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core's MoE "
                           "layer refuses to train without it, in the first step: every TP rank would route the "

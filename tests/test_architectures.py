@@ -238,6 +238,8 @@ def test_core_attention_with_mla_head_dims():
     (MOE + ["--moe-router-topk", "5"], 1, "--moe-router-topk must be between 1 and --num-experts (4), got 5"),
     (MOE + ["--moe-router-topk", "1"], 1, "Please use --moe-router-pre-softmax when topk is 1"),
     (MOE + ["--moe-grouped-gemm"], 1, "--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP)"),
+    (MOE + ["--moe-layer-freq", "[1,0]"], 1, "--moe-layer-freq [1, 0]: give N >= 1 (every N-th layer MoE) or a list "
+     "of 0/1, one per layer (4)"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
      "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--expert-model-parallel-size", "2"], 2, "num_experts must be non None to use expert model parallelism"),

@@ -193,6 +193,20 @@ def test_bad_configuration_is_refused(argv, world, plat, message, monkeypatch):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("freq, shown", [("[1,0]", "[1, 0]"), ("[1,2,0,1]", "[1, 2, 0, 1]"), ("0", "0")],
+                         ids=["short-list", "not-0-1", "zero"])
+def test_a_moe_layer_freq_megatron_cannot_read_is_refused(freq, shown):
+    """megatron-core reads --moe-layer-freq as every N-th layer MoE, or one 0/1 per layer; anything else crashed the
+    FLOP count at the start of training (a ValueError traceback, exit 1)."""
+    moe = TINY + ["--num-experts", "4", "--moe-router-topk", "2"]
+    with pytest.raises(ConfigError) as e:
+        check(moe + ["--moe-layer-freq", freq])
+    assert str(e.value) == (f"--moe-layer-freq {shown}: give N >= 1 (every N-th layer MoE) or a list of 0/1, one per "
+                            "layer (4)")
+    check(moe + ["--moe-layer-freq", "2"])
+    check(moe + ["--moe-layer-freq", "([1]+[0])*2"])
+
+
 def test_profiling_on_a_cpu_is_torch_profilers():
     """What the --profile refusal on a CPU points to passes: torch.profiler, its trace in torch_profile/ beside
     --tensorboard-dir."""
