@@ -440,6 +440,11 @@ def check(args, plat, world: Optional[int] = None) -> None:
                           "DIR, or NullTokenizer --vocab-size N for pre-tokenized data")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size (the model's vocabulary)")
+    if args.padded_vocab_size is not None and args.padded_vocab_size % tp:
+        # Megatron-LM builds a given size as it is, and megatron-core asserted the split mid-setup
+        raise ConfigError(f"--padded-vocab-size {args.padded_vocab_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}: every TP rank holds an equal slice of the output "
+                          f"layer; give a multiple of {tp}")
     _check_run_control(args)
     if args.save and args.save_interval is None:
         raise ConfigError("--save needs --save-interval N: the iterations between checkpoints (Megatron-LM also "

@@ -231,6 +231,9 @@ def test_core_attention_with_mla_head_dims():
     (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
      "--num-query-groups (KV heads) 1 is not divisible by --tensor-model-parallel-size 2: every TP rank holds whole "
      "KV heads"),
+    (["--tensor-model-parallel-size", "2", "--padded-vocab-size", "385"], 2, "--padded-vocab-size 385 is not "
+     "divisible by --tensor-model-parallel-size 2: every TP rank holds an equal slice of the output layer; give a "
+     "multiple of 2"),
     (MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
      "--multi-latent-attention with --tensor-model-parallel-size > 1 needs --transformer-impl transformer_engine"),
     (["--multi-latent-attention", "--qk-layernorm"], 1, "on --transformer-impl local needs --q-lora-rank"),

@@ -207,6 +207,18 @@ def test_a_moe_layer_freq_megatron_cannot_read_is_refused(freq, shown):
     check(moe + ["--moe-layer-freq", "([1]+[0])*2"])
 
 
+def test_a_padded_vocabulary_tp_cannot_split_is_refused(monkeypatch):
+    """--padded-vocab-size is the output layer's rows as given (Megatron-LM pads no further): TP splits them evenly,
+    and megatron-core asserted it mid-setup ("385 is not divisible by 2")."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tp2 = TINY + ["--vocab-size", "256", "--tensor-model-parallel-size", "2", "--padded-vocab-size"]
+    with pytest.raises(ConfigError) as e:
+        check(tp2 + ["385"])
+    assert str(e.value) == ("--padded-vocab-size 385 is not divisible by --tensor-model-parallel-size 2: every TP "
+                            "rank holds an equal slice of the output layer; give a multiple of 2")
+    check(tp2 + ["386"])
+
+
 def test_profiling_on_a_cpu_is_torch_profilers():
     """What the --profile refusal on a CPU points to passes: torch.profiler, its trace in torch_profile/ beside
     --tensorboard-dir."""
