@@ -445,6 +445,11 @@ def check(args, plat, world: Optional[int] = None) -> None:
         raise ConfigError(f"--padded-vocab-size {args.padded_vocab_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}: every TP rank holds an equal slice of the output "
                           f"layer; give a multiple of {tp}")
+    if not args.pad_vocab_size and args.padded_vocab_size is None:
+        # the flag only keeps a given size unpadded; without one megatron.training's FLOP count failed on None
+        raise ConfigError("--no-pad-vocab-size needs --padded-vocab-size N, the model's vocabulary rows, which "
+                          "Megatron-LM then builds unpadded (without N it has no vocabulary size for the model): "
+                          "give N, or drop the flag")
     _check_run_control(args)
     if args.save and args.save_interval is None:
         raise ConfigError("--save needs --save-interval N: the iterations between checkpoints (Megatron-LM also "

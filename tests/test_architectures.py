@@ -234,6 +234,9 @@ def test_core_attention_with_mla_head_dims():
     (["--tensor-model-parallel-size", "2", "--padded-vocab-size", "385"], 2, "--padded-vocab-size 385 is not "
      "divisible by --tensor-model-parallel-size 2: every TP rank holds an equal slice of the output layer; give a "
      "multiple of 2"),
+    (["--no-pad-vocab-size"], 1, "--no-pad-vocab-size needs --padded-vocab-size N, the model's vocabulary rows, "
+     "which Megatron-LM then builds unpadded (without N it has no vocabulary size for the model): give N, or drop "
+     "the flag"),
     (MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
      "--multi-latent-attention with --tensor-model-parallel-size > 1 needs --transformer-impl transformer_engine"),
     (["--multi-latent-attention", "--qk-layernorm"], 1, "on --transformer-impl local needs --q-lora-rank"),

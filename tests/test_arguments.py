@@ -219,6 +219,17 @@ def test_a_padded_vocabulary_tp_cannot_split_is_refused(monkeypatch):
     check(tp2 + ["386"])
 
 
+def test_no_pad_vocab_size_needs_the_models_size():
+    """--no-pad-vocab-size only stops Megatron-LM from padding a --padded-vocab-size it is given; without one the
+    run had no vocabulary size and megatron.training's FLOP count crashed on None (a TypeError traceback)."""
+    with pytest.raises(ConfigError) as e:
+        check(TINY + ["--no-pad-vocab-size"])
+    assert str(e.value) == ("--no-pad-vocab-size needs --padded-vocab-size N, the model's vocabulary rows, which "
+                            "Megatron-LM then builds unpadded (without N it has no vocabulary size for the model): "
+                            "give N, or drop the flag")
+    check(TINY + ["--no-pad-vocab-size", "--padded-vocab-size", "4100"])
+
+
 def test_profiling_on_a_cpu_is_torch_profilers():
     """What the --profile refusal on a CPU points to passes: torch.profiler, its trace in torch_profile/ beside
     --tensorboard-dir."""
