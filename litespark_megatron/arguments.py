@@ -818,8 +818,12 @@ def _megatron_tokenizer(args):
 
 
 def model_vocab_size(args) -> int:
-    """The output layer's rows as megatron.training will build them: its tokenizer's vocabulary (a text tokenizer's
-    own size, --vocab-size for NullTokenizer), padded to a multiple of --make-vocab-size-divisible-by x TP."""
+    """The output layer's rows as megatron.training will build them: --padded-vocab-size where given (Megatron-LM
+    pads no further; with --no-pad-vocab-size, an imported model's exact rows), else its tokenizer's vocabulary (a
+    text tokenizer's own size, --vocab-size for NullTokenizer) padded to a multiple of
+    --make-vocab-size-divisible-by x TP."""
+    if args.padded_vocab_size is not None:
+        return args.padded_vocab_size
     return _megatron_tokenizer(args)[1]
 
 

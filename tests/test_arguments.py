@@ -230,6 +230,16 @@ def test_no_pad_vocab_size_needs_the_models_size():
     check(TINY + ["--no-pad-vocab-size", "--padded-vocab-size", "4100"])
 
 
+def test_model_vocab_size_is_a_given_padded_size(tmp_path):
+    """What megatron.training builds: the tokenizer's vocabulary padded for TP, unless --padded-vocab-size gives the
+    rows (as an imported model's model.yaml does, with --no-pad-vocab-size, for more rows than tokens)."""
+    assert arguments.model_vocab_size(check(TINY + ["--vocab-size", "300"])) == 384
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text("padded-vocab-size: 320\nno-pad-vocab-size: true\n")
+    assert arguments.model_vocab_size(check(TINY + ["--vocab-size", "300", "--config", str(cfg)])) == 320
+    assert arguments.model_vocab_size(check(TINY + ["--vocab-size", "300", "--padded-vocab-size", "320"])) == 320
+
+
 def test_profiling_on_a_cpu_is_torch_profilers():
     """What the --profile refusal on a CPU points to passes: torch.profiler, its trace in torch_profile/ beside
     --tensorboard-dir."""
