@@ -910,8 +910,8 @@ def check_checkpoints(args) -> None:
 # parameters compute (norm, position embedding). Compared where both have the argument.
 MODEL_ARGUMENTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                    "kv_channels", "untie_embeddings_and_output_weights", "swiglu", "normalization",
-                   "apply_layernorm_1p", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "position_embedding_type",
-                   "max_position_embeddings", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                   "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+                   "position_embedding_type", "max_position_embeddings", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                    "qk_pos_emb_head_dim", "v_head_dim", "num_experts", "moe_ffn_hidden_size",
                    "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers", "attention_variant",
                    "vocab_size")
@@ -920,6 +920,8 @@ MODEL_ARGUMENTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
 def _model_arguments(a) -> Dict[str, object]:
     """What of MODEL_ARGUMENTS applies to the model of arguments `a` (a run's, or a checkpoint's)."""
     model = {name: getattr(a, name) for name in MODEL_ARGUMENTS if hasattr(a, name)}
+    if zero_centered_gamma(a) is not None:
+        model["layernorm_zero_centered_gamma"] = zero_centered_gamma(a)
     model.setdefault("attention_variant", "dense")  # a checkpoint of Megatron-LM's own script: dense attention
     if not getattr(a, "group_query_attention", False):
         model["num_query_groups"] = getattr(a, "num_attention_heads", None)  # one KV head per head
@@ -936,6 +938,13 @@ def _model_arguments(a) -> Dict[str, object]:
     return model
 
 
+def zero_centered_gamma(a) -> Optional[bool]:
+    """--apply-layernorm-1p of arguments `a`: megatron-core 0.19.2 keeps it as layernorm_zero_centered_gamma, a
+    checkpoint of an earlier Megatron-LM as apply_layernorm_1p; None if neither is there."""
+    value = getattr(a, "layernorm_zero_centered_gamma", None)
+    return getattr(a, "apply_layernorm_1p", None) if value is None else value
+
+
 def _check_checkpoint_model(args, saved, where: str) -> None:
     run, there = _model_arguments(args), _model_arguments(saved)
     if (run.get("hidden_size"), run.get("num_attention_heads")) != \
@@ -949,7 +958,7 @@ def _check_checkpoint_model(args, saved, where: str) -> None:
             name, value, theirs = "disable_bias_linear", not value, not there[name]
         else:
             theirs = there[name]
-        flag = "--" + name.replace("_", "-")
+        flag = "--apply-layernorm-1p" if name == "layernorm_zero_centered_gamma" else "--" + name.replace("_", "-")
         if isinstance(value, bool):
             differences.append(f"{flag} {'set' if theirs else 'not set'} there, {'set' if value else 'not set'} here")
         else:

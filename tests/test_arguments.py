@@ -463,16 +463,26 @@ def test_fp8_parameters_with_the_precision_aware_optimizer_are_refused_under_del
                                 "would fail; use one of the two flags")
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A checkpoint of the tiny model (vocabulary 256, 4 steps of 8 sequences), saved by litespark-train."""
+def _save_tiny(tmp_path_factory, *flags):
     from conftest import ok, train
 
     save = tmp_path_factory.mktemp("tiny") / "ckpt"
     ok(train(1, *TINY[:-4], "--vocab-size", "256", "--seq-length", "32", "--global-batch-size", "8",
              "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "4", "--eval-interval", "100",
-             "--eval-iters", "0", "--save", save, "--save-interval", "100"))
+             "--eval-iters", "0", "--save", save, "--save-interval", "100", *flags))
     return save
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of the tiny model (vocabulary 256, 4 steps of 8 sequences), saved by litespark-train."""
+    return _save_tiny(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tiny_1p_checkpoint(tmp_path_factory):
+    """The same with zero-centered norm weights (--apply-layernorm-1p: the norms scale by 1 + weight)."""
+    return _save_tiny(tmp_path_factory, "--apply-layernorm-1p")
 
 
 RESUME = TINY[:-4] + ["--vocab-size", "256", "--seq-length", "32", "--global-batch-size", "8", "--lr", "3e-3",
@@ -488,7 +498,8 @@ RESUME = TINY[:-4] + ["--vocab-size", "256", "--seq-length", "32", "--global-bat
                                                                "--position-embedding-type rope there, none here"),
     (["--vocab-size", "200"], "--vocab-size 256 there, 200 here"),
     (["--vocab-size", "200", "--finetune"], "--vocab-size 256 there, 200 here"),
-], ids=["hidden", "layers-groups", "kv-channels", "switches", "vocab", "finetune"])
+    (["--apply-layernorm-1p"], "--apply-layernorm-1p not set there, set here"),
+], ids=["hidden", "layers-groups", "kv-channels", "switches", "vocab", "finetune", "layernorm-1p"])
 def test_a_checkpoint_of_another_model_is_refused_before_any_process_group(tiny_checkpoint, flags, differences):
     """megatron.training stores the run's arguments in the checkpoint's common state; a --load of another shape
     failed after the process groups were up (a 67-line CheckpointingException, --save already created). The model
@@ -517,6 +528,19 @@ def test_the_checkpoints_own_model_loads_and_checkpoint_args_are_compared_too(ti
         arguments.parse_checked(bare + load + ["--num-layers", "2"], CPU)
     assert str(e.value) == (f"--load {tiny_checkpoint}: the checkpoint holds another model than these flags build "
                             "(--num-layers 4 there, 2 here); give the model flags of the run that saved it")
+
+
+def test_a_checkpoint_of_zero_centered_norms_is_refused_without_the_flag(tiny_1p_checkpoint):
+    """megatron-core 0.19.2 keeps --apply-layernorm-1p as layernorm_zero_centered_gamma, and the comparison read
+    the name of earlier Megatron-LM versions (still read from a checkpoint that has it): norms of the other
+    convention (weights near 0 read as scales) loaded without a word."""
+    with pytest.raises(ConfigError) as e:
+        arguments.parse_checked(RESUME + ["--load", str(tiny_1p_checkpoint)], CPU)
+    assert str(e.value) == (f"--load {tiny_1p_checkpoint}: the checkpoint holds another model than these flags build "
+                            "(--apply-layernorm-1p set there, not set here); give the model flags of the run that "
+                            "saved it, or --use-checkpoint-args to take them from the checkpoint")
+    earlier = argparse.Namespace(apply_layernorm_1p=True)
+    assert arguments._model_arguments(earlier)["layernorm_zero_centered_gamma"] is True
 
 
 SCHEDULE_FLAGS = ("add --override-opt_param-scheduler to follow this run's schedule from the checkpoint's step on, "
