@@ -989,11 +989,16 @@ def parse(argv: Sequence[str], plat) -> argparse.Namespace:
     return args
 
 
-def follow_checkpoint_args(args) -> None:
-    """After Megatron-LM's --use-checkpoint-args: it takes the checkpoint's --spec over the command line's (a
-    Litespark checkpoint's module/function pair; a stock checkpoint saved none, which leaves the command line's), so
-    the spec's name here (checks, the run record) follows what will be built, and an automatic core attention is
-    decided again for it."""
+def follow_checkpoint_args(args, checkpoints: Sequence[argparse.Namespace] = ()) -> None:
+    """After Megatron-LM's --use-checkpoint-args, given the arguments of the checkpoints it read (in its order, the
+    last wins): it takes the checkpoint's --spec over the command line's (a Litespark checkpoint's module/function
+    pair; a stock checkpoint saved none, which leaves the command line's), so the spec's name here (checks, the run
+    record) follows what will be built, and an automatic core attention is decided again for it. Its loader forces
+    the checkpoint's --apply-layernorm-1p under the name of earlier versions (apply_layernorm_1p), which
+    megatron-core 0.19.2 neither stores nor builds from: that one is taken here."""
+    for saved in checkpoints:
+        if zero_centered_gamma(saved) is not None:
+            args.layernorm_zero_centered_gamma = zero_centered_gamma(saved)
     if args.spec == LITESPARK_SPEC:
         args.litespark_spec = "litespark"
     elif args.spec:
@@ -1009,9 +1014,12 @@ def parse_checked(argv: Sequence[str], plat) -> argparse.Namespace:
 
         if args.load is None and args.pretrained_checkpoint is None:
             raise ConfigError("--use-checkpoint-args needs --load or --pretrained-checkpoint")
-        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
-        load_args_from_checkpoint(args)
-        follow_checkpoint_args(args)
+        checkpoints = []
+        for load_arg in ("pretrained_checkpoint", "load"):
+            loaded = load_args_from_checkpoint(args, load_arg=load_arg)
+            if isinstance(loaded, tuple):  # (args, the checkpoint's arguments) where it read a checkpoint
+                checkpoints.append(loaded[1])
+        follow_checkpoint_args(args, checkpoints)
     check(args, plat)
     megatron_validate(args)
     model_config_check(args)

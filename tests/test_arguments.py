@@ -543,6 +543,19 @@ def test_a_checkpoint_of_zero_centered_norms_is_refused_without_the_flag(tiny_1p
     assert arguments._model_arguments(earlier)["layernorm_zero_centered_gamma"] is True
 
 
+def test_checkpoint_args_take_zero_centered_norms(tiny_1p_checkpoint):
+    """megatron.training's --use-checkpoint-args reads the name of earlier Megatron-LM versions too
+    (apply_layernorm_1p): a run that took its model from a checkpoint of zero-centered norms built norms of the
+    other convention. It takes the checkpoint's, into the model's config."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    bare = ["--mock-data", "--lr", "3e-3", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
+            "4", "--lr-warmup-iters", "2", "--eval-interval", "100", "--vocab-size", "256", "--use-checkpoint-args"]
+    args = arguments.parse_checked(bare + ["--load", str(tiny_1p_checkpoint)], CPU)
+    assert args.layernorm_zero_centered_gamma is True
+    assert core_transformer_config_from_args(args).layernorm_zero_centered_gamma is True
+
+
 SCHEDULE_FLAGS = ("add --override-opt_param-scheduler to follow this run's schedule from the checkpoint's step on, "
                   "or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
