@@ -4,10 +4,12 @@ The trainer is megatron.training's own `pretrain`: its loop, arguments, checkpoi
 (the rerun state machine), async saves, TensorBoard and W&B. What this module adds is what pretrain_gpt.py adds
 to it (the forward step, the loss with its checks, the datasets provider) and the Litespark pieces:
 
-    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 4 gaps)
+    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 5 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
                -> data.check                     data and tokenizer checked before any process group
-               -> checkpoint_dir.lock / clean    --save held by this run alone; unfinished saves removed
+               -> checkpoint_dir.lock / clean    --save held by this run alone; refused if its saves would
+                                                 overwrite complete checkpoints it did not load; unfinished saves
+                                                 removed, older checkpoints pruned (--keep-last-checkpoints)
                -> set_global_variables           get_args(); Ctrl-C joins SIGTERM with --exit-signal-handler
                -> telemetry.attach               MFU, energy, J/token, metrics.jsonl beside Megatron-LM's logs
                -> megatron.training.pretrain     model from model.model_config_from_args (the --spec layer)
