@@ -444,7 +444,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
         # Megatron-LM builds a given size as it is, and megatron-core asserted the split mid-setup
         raise ConfigError(f"--padded-vocab-size {args.padded_vocab_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}: every TP rank holds an equal slice of the output "
-                          f"layer; give a multiple of {tp}")
+                          f"layer; give a multiple of {tp}, or a TP that divides {args.padded_vocab_size}")
     if not args.pad_vocab_size and args.padded_vocab_size is None:
         # the flag only keeps a given size unpadded; without one megatron.training's FLOP count failed on None
         raise ConfigError("--no-pad-vocab-size needs --padded-vocab-size N, the model's vocabulary rows, which "

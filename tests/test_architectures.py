@@ -233,7 +233,7 @@ def test_core_attention_with_mla_head_dims():
      "KV heads"),
     (["--tensor-model-parallel-size", "2", "--padded-vocab-size", "385"], 2, "--padded-vocab-size 385 is not "
      "divisible by --tensor-model-parallel-size 2: every TP rank holds an equal slice of the output layer; give a "
-     "multiple of 2"),
+     "multiple of 2, or a TP that divides 385"),
     (["--no-pad-vocab-size"], 1, "--no-pad-vocab-size needs --padded-vocab-size N, the model's vocabulary rows, "
      "which Megatron-LM then builds unpadded (without N it has no vocabulary size for the model): give N, or drop "
      "the flag"),

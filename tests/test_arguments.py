@@ -215,7 +215,8 @@ def test_a_padded_vocabulary_tp_cannot_split_is_refused(monkeypatch):
     with pytest.raises(ConfigError) as e:
         check(tp2 + ["385"])
     assert str(e.value) == ("--padded-vocab-size 385 is not divisible by --tensor-model-parallel-size 2: every TP "
-                            "rank holds an equal slice of the output layer; give a multiple of 2")
+                            "rank holds an equal slice of the output layer; give a multiple of 2, or a TP that "
+                            "divides 385")
     check(tp2 + ["386"])
 
 
