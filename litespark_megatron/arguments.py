@@ -911,10 +911,10 @@ def check_checkpoints(args) -> None:
 MODEL_ARGUMENTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                    "kv_channels", "untie_embeddings_and_output_weights", "swiglu", "normalization",
                    "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                   "position_embedding_type", "max_position_embeddings", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                   "qk_pos_emb_head_dim", "v_head_dim", "num_experts", "moe_ffn_hidden_size",
-                   "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers", "attention_variant",
-                   "vocab_size")
+                   "position_embedding_type", "max_position_embeddings", "multi_latent_attention", "q_lora_rank",
+                   "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
+                   "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers",
+                   "attention_variant", "vocab_size")
 
 
 def _model_arguments(a) -> Dict[str, object]:
