@@ -528,6 +528,21 @@ def _check_cuda_graphs(args, plat) -> None:
                           "(pip install -e '.[te]') or use --cuda-graph-impl local")
 
 
+def _reaches_step(args, step: int) -> bool:
+    """Whether a run started from scratch begins its training step `step` (0-based: megatron.training's loop asks
+    `iteration == step` before each step) before --train-iters (or --train-samples' steps) or --exit-interval ends
+    it. Unknown lengths count as reached."""
+    if args.train_iters:
+        last = args.train_iters
+    elif args.train_samples and args.global_batch_size:
+        last = args.train_samples // args.global_batch_size
+    else:
+        return True
+    if args.exit_interval:
+        last = min(last, args.exit_interval)
+    return step < last
+
+
 def _check_logging(args, plat) -> None:
     """Megatron-LM's profiling and logging flags where megatron.training would fail with them mid-run (CUDA's
     profiler, memory statistics and NVML on a CPU), or run and log nothing (W&B without TensorBoard)."""
@@ -536,7 +551,7 @@ def _check_logging(args, plat) -> None:
         raise ConfigError("--profile --use-pytorch-profiler writes its trace to torch_profile/ beside "
                           "--tensorboard-dir: give --tensorboard-dir")
     if plat.device_type == "cpu":
-        if args.profile and not args.use_pytorch_profiler:
+        if args.profile and not args.use_pytorch_profiler and _reaches_step(args, args.profile_step_start):
             raise ConfigError("--profile without --use-pytorch-profiler starts CUDA's profiler (for nsys) at "
                               "--profile-step-start, and there is no GPU here: add --use-pytorch-profiler "
                               "(torch.profiler) or drop --profile")

@@ -166,7 +166,8 @@ def test_mla_replaces_the_presets_grouped_query_attention():
     (["--overlap-moe-expert-parallel-comm"], 1, GPU_TE, "--overlap-moe-expert-parallel-comm runs megatron-core's "
      "combined 1F1B schedule, which asks the forward step for the model's schedule plan, and litespark-train's "
      "forward step builds none: drop the flag"),
-    (["--profile"], 1, CPU, "--profile without --use-pytorch-profiler starts CUDA's profiler (for nsys) at "
+    (["--profile", "--profile-step-start", "1"], 1, CPU, "--profile without --use-pytorch-profiler starts CUDA's "
+     "profiler (for nsys) at "
      "--profile-step-start, and there is no GPU here: add --use-pytorch-profiler (torch.profiler) or drop --profile"),
     (["--profile", "--use-pytorch-profiler"], 1, GPU_TE, "--profile --use-pytorch-profiler writes its trace to "
      "torch_profile/ beside --tensorboard-dir: give --tensorboard-dir"),
@@ -245,6 +246,14 @@ def test_profiling_on_a_cpu_is_torch_profilers():
     """What the --profile refusal on a CPU points to passes: torch.profiler, its trace in torch_profile/ beside
     --tensorboard-dir."""
     check(TINY + ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb"], CPU)
+
+
+@pytest.mark.parametrize("flags", [["--profile-step-start", "2"], ["--profile-step-start", "1", "--exit-interval", "1"]],
+                         ids=["after-the-last-step", "after-the-exit-interval"])
+def test_cudas_profiler_a_run_never_starts_is_not_refused_on_a_cpu(flags):
+    """Megatron-LM's Llama-3 8B example passes --profile from step 4; a CPU run of it that ends sooner (TINY: 2 steps)
+    never starts CUDA's profiler, and runs as the example asks."""
+    check(TINY + ["--profile", *flags], CPU)
 
 
 @pytest.mark.parametrize("argv, message", [

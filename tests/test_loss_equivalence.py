@@ -18,6 +18,16 @@ def equivalence(tmp_path, *args, **knobs):
     return run(["bash", SCRIPT, *args], env=env, timeout=600)
 
 
+def cpu_python(tmp_path, first: str = "") -> str:
+    """A python for the script's runs that keeps them on the CPU, as the suite's CPU pass runs (conftest.py): with
+    CONCURRENT the script gives each run its own GPUs (CUDA_VISIBLE_DEVICES), which on a GPU machine are real.
+    `first`: shell lines run before."""
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/usr/bin/env bash\n{first}export CUDA_VISIBLE_DEVICES=\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     proc = equivalence(tmp_path, *DATA, STEPS="8", START_STEP="2", SMOOTH="2", TOLERANCE="0.001",
                        RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local;"
@@ -60,6 +70,7 @@ def test_bad_knobs_fail_before_training(tmp_path, knobs, message):
 @pytest.mark.parametrize("concurrent", ["1", "2"])
 def test_a_failing_run_stops_the_script(tmp_path, concurrent):
     proc = equivalence(tmp_path, *DATA, STEPS="4", START_STEP="1", CONCURRENT=concurrent,
+                       PYTHON=cpu_python(tmp_path),
                        RUNS="a:--transformer-impl local;b:--transformer-impl local --tensor-model-parallel-size 2")
     assert proc.returncode == 2
     assert "loss_equivalence.sh: error: run 'b' failed (log: " in proc.stderr
@@ -69,20 +80,16 @@ def test_a_failing_run_stops_the_script(tmp_path, concurrent):
 
 def test_concurrent_waves_place_each_run_on_its_own_gpus(tmp_path):
     """CONCURRENT=2, NPROC=1, three runs: two waves; in each wave run k sees GPU k only (CUDA_VISIBLE_DEVICES).
-    On the CPU the variable changes nothing, so the curves are the sequential ones. A python wrapper records, as
-    each run starts, its devices and how many train records the first run had logged by then: the first run's
-    wave-mate waits for one (megatron-core's index cache), the next wave need not."""
-    wrapper = tmp_path / "python-wrapper"
+    A python wrapper records, as each run starts, its devices and how many train records the first run had logged
+    by then, and keeps the run on the CPU, where the curves are the sequential ones: the first run's wave-mate waits
+    for one (megatron-core's index cache), the next wave need not."""
     ref_metrics = tmp_path / "eq" / "ref" / "metrics.jsonl"
-    wrapper.write_text(f"""#!/usr/bin/env bash
-if [ "$1 $2" = "-m litespark_megatron" ]; then
+    wrapper = cpu_python(tmp_path, f"""if [ "$1 $2" = "-m litespark_megatron" ]; then
   echo "$CUDA_VISIBLE_DEVICES $(grep -cs '"kind": "train"' {ref_metrics})" >> {tmp_path / "starts.txt"}
 fi
-exec {sys.executable} "$@"
 """)
-    wrapper.chmod(0o755)
     proc = equivalence(tmp_path, *DATA, STEPS="6", START_STEP="2", SMOOTH="2", TOLERANCE="0.001", CONCURRENT="2",
-                       PYTHON=str(wrapper),
+                       PYTHON=wrapper,
                        RUNS="ref:--spec stock-local;same:--transformer-impl local;third:--transformer-impl local")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
