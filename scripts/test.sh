@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/env.sh"
 cd "$ROOT"
 # Two or more worker processes (pytest-xdist, up to 4): most of a test's time is processes starting (imports), which
-# another core overlaps; on 2 cores the suite takes 20-23 minutes instead of 32. LITESPARK_TEST_WORKERS=0: one process.
+# another core overlaps (on 2 cores: 25-26 minutes in 2 workers). LITESPARK_TEST_WORKERS=0: one process.
 WORKERS="${LITESPARK_TEST_WORKERS:-$(python -c 'import os; print(max(2, min(len(os.sched_getaffinity(0)), 4)))')}"
 python -m pytest -q -p no:cacheprovider -n "$WORKERS" tests "$@"
 # With a GPU here: the tests marked gpu again, on it (the pass above hid it: tests/conftest.py says why). Exit 5 is
