@@ -66,17 +66,22 @@ def saved_run(tmp_path_factory):
     return save
 
 
+def _refused_before_any_work(proc, save, line: str) -> None:
+    """Exit 2 with `line` as the last line, no traceback, and the run's --save never created."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == line
+    assert "Traceback" not in proc.stderr and not save.exists()
+
+
 def test_load_of_another_model_is_refused_in_one_line_before_any_work(saved_run, tmp_path):
     """A checkpoint of another shape used to fail in megatron.training's loader: 67 lines of
     CheckpointingException after the process group was up and --save created. It is one line now, before both."""
     other = tmp_path / "other"
-    proc = train(1, *MOCK, "--hidden-size", "64", "--load", saved_run, "--save", other)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
+    _refused_before_any_work(
+        train(1, *MOCK, "--hidden-size", "64", "--load", saved_run, "--save", other), other,
         f"litespark-train: error: --load {saved_run}: the checkpoint holds another model than these flags build "
         "(--hidden-size 128 there, 64 here); give the model flags of the run that saved it, or --use-checkpoint-args "
         "to take them from the checkpoint")
-    assert "Traceback" not in proc.stderr and not other.exists()
 
 
 def test_a_longer_resume_names_the_schedule_flags_and_trains_with_one(saved_run, tmp_path):
@@ -84,14 +89,12 @@ def test_a_longer_resume_names_the_schedule_flags_and_trains_with_one(saved_run,
     input value 64 and checkpointvalue 48 for total number of iterations do not match", a traceback); now one line
     before any work names Megatron-LM's two flags, and with one of them the run trains on to the new end."""
     longer = tmp_path / "longer"
-    proc = train(1, *MOCK, "--train-iters", "8", "--load", saved_run, "--save", longer)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
+    _refused_before_any_work(
+        train(1, *MOCK, "--train-iters", "8", "--load", saved_run, "--save", longer), longer,
         f"litespark-train: error: --load {saved_run}: its learning-rate schedule is not this run's (LR decay over 48 "
         "samples there, 64 here; weight-decay increment over 48 samples there, 64 here), and megatron-core refuses to "
         "resume it so: add --override-opt_param-scheduler to follow this run's schedule from the checkpoint's step "
         "on, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
-    assert "Traceback" not in proc.stderr and not longer.exists()
     ok(train(1, *MOCK, "--train-iters", "8", "--load", saved_run, "--save", longer, "--override-opt_param-scheduler"))
     assert sorted(losses(longer / "metrics.jsonl")) == [7, 8]
 
