@@ -26,7 +26,9 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]==2.20.2"],
-        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib"],
+        # liger-kernel: the benchmark's hf-liger peer (its checks run on a CPU too).
+        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib", "liger-kernel==0.8.5"],
+        "bench": ["liger-kernel==0.8.5"],
         # Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir log to Weights & Biases.
         "wandb": ["wandb"],
         # litespark-convert: Hugging Face Llama checkpoints in and out (transformers is a dependency already).

@@ -23,10 +23,12 @@ time, with a CUDA synchronize after every step), and reports:
 
 Systems (`--systems`, comma list):
 
-* `hf-eager`, `hf-compile`: HF transformers `LlamaForCausalLM` built from a `LlamaConfig` of the same shape, SDPA
-  attention, bf16 parameters, `torch.optim.AdamW(fused=True)`, gradient clipping at 1.0, gradient accumulation for
-  several micro-batches; `hf-compile` wraps the model in `torch.compile`. They need `pip install transformers`,
-  which is not a dependency of this package.
+* `hf-eager`, `hf-compile`, `hf-liger`: HF transformers `LlamaForCausalLM` built from a `LlamaConfig` of the same
+  shape, SDPA attention, bf16 parameters, `torch.optim.AdamW(fused=True)`, gradient clipping at 1.0, gradient
+  accumulation for several micro-batches; `hf-compile` wraps the model in `torch.compile`; `hf-liger` patches in
+  Liger-Kernel (`apply_liger_kernel_to_llama`'s defaults: Triton RMSNorm, SwiGLU and RoPE, and the fused linear
+  cross-entropy), checks on the model that each took, and names them in its row. They need `pip install
+  transformers` (and `liger-kernel` for hf-liger, a CUDA GPU), which are not dependencies of this package.
 * `litespark-bf16`, `litespark-fp8` (FP8 hybrid, delayed scaling), `stock-te-bf16`, `stock-te-fp8`,
   `litespark-local-bf16` (the no-TE backend): trained by litespark-train itself (megatron.training's loop, in the
   worker process) on megatron-core's mock data, one process, megatron micro-batching; each step's time (with a
@@ -86,6 +88,7 @@ class System:
     description: str
     compile: bool = False       # hf: torch.compile the model
     needs_te: bool = False
+    liger: bool = False         # hf: Liger-Kernel's Triton kernels patched in (liger_kernels)
 
 
 SYSTEMS: Dict[str, System] = {
@@ -93,6 +96,9 @@ SYSTEMS: Dict[str, System] = {
                                  "GPU), parameters, gradients and optimizer states in the parameter dtype"),
     "hf-compile": System("hf", (), "as hf-eager, model under torch.compile (compilation falls in the warm-up "
                                    "steps)", compile=True),
+    "hf-liger": System("hf", (), "as hf-eager, with Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear "
+                                 "cross-entropy (logits never materialized): what a speed-minded HF user runs",
+                       liger=True),
     "litespark-bf16": System("megatron", _TE,
                              "Litespark layers, Transformer Engine backend", needs_te=True),
     "litespark-fp8": System("megatron", _TE + _FP8,
@@ -107,7 +113,7 @@ SYSTEMS: Dict[str, System] = {
                                    "Litespark layers, local backend (megatron-core linears, torch SDPA, compiled "
                                    "RMSNorm; no TE modules, TE's SwiGLU and RoPE kernels where TE is installed)"),
 }
-DEFAULT_SYSTEMS = ("hf-eager", "litespark-bf16", "litespark-fp8", "stock-te-bf16", "stock-te-fp8")
+DEFAULT_SYSTEMS = ("hf-eager", "hf-liger", "litespark-bf16", "litespark-fp8", "stock-te-bf16", "stock-te-fp8")
 MEGATRON_NOTE = ("megatron systems (GPU): bf16 parameters and compute with fp32 main parameters, fp32 gradient "
                  "accumulation (fused into TE's weight-gradient GEMMs) and fp32 Adam states (megatron-core's "
                  "mixed-precision optimizer), except where the precision column names lower main gradients or "
@@ -1003,6 +1009,51 @@ def build_hf_llama(args, cuda: bool, device):
     return model
 
 
+def patch_liger(cuda: bool) -> None:
+    """Liger-Kernel into HF's Llama classes, as its users do before building a model: `apply_liger_kernel_to_llama`
+    with its defaults (Triton RMSNorm, SwiGLU and RoPE; the fused linear cross-entropy, which computes the loss chunk
+    by chunk from the last hidden states and never materializes the logits). A worker runs one system, so the patch
+    touches no other system's model."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError as e:
+        raise UserError(f"hf-liger needs Liger-Kernel, not importable here ({_one_line(str(e))}): "
+                        "pip install liger-kernel") from None
+    if not cuda:
+        raise UserError("hf-liger runs Liger-Kernel's Triton kernels, which need a CUDA GPU; on a CPU, measure "
+                        "hf-eager")
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True)
+
+
+def liger_fusions(model) -> Tuple[Dict[str, str], str]:
+    """(fused paths for the health record, one note) of an HF Llama built after patch_liger: every norm, MLP, the
+    RoPE function and the loss must be Liger's, or the peer would be measured on HF's own modules without saying so."""
+    from liger_kernel.transformers.model.llama import lce_forward
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from transformers.models.llama import modeling_llama
+
+    layers = model.config.num_hidden_layers
+    norms = sum(isinstance(m, LigerRMSNorm) for m in model.modules())
+    mlps = sum(isinstance(m, LigerSwiGLUMLP) for m in model.modules())
+    missing = [what for what, took in (
+        (f"RMSNorm ({norms} of {2 * layers + 1} norms)", norms == 2 * layers + 1),
+        (f"SwiGLU ({mlps} of {layers} MLPs)", mlps == layers),
+        ("RoPE", modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb),
+        ("fused linear cross-entropy", getattr(type(model).forward, "__wrapped__", type(model).forward)
+         is lce_forward)) if not took]
+    if missing:
+        raise RuntimeError("Liger-Kernel did not take on the HF model (this transformers version?): "
+                           + ", ".join(missing))
+    from importlib import metadata
+
+    note = (f"Liger-Kernel {metadata.version('liger-kernel')}: RMSNorm ({norms} norms), SwiGLU ({mlps} MLPs), RoPE, "
+            "fused linear cross-entropy (logits never materialized)")
+    return dict(cross_entropy="liger fused linear", rope="liger", wgrad_accumulation="n/a"), note
+
+
 def hf_adamw(model, lr: float, weight_decay: float, betas, eps: float, cuda: bool):
     """torch's AdamW for an HF model as megatron-core sets up its own: no weight decay on the norms (1-D
     parameters); fused on a GPU."""
@@ -1027,7 +1078,10 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if system.liger:
+        patch_liger(cuda)
     model = build_hf_llama(args, cuda, device)
+    fusions, notes = liger_fusions(model) if system.liger else ({}, None)
     model.train()
     params = sum(p.numel() for p in model.parameters())
     optimizer = hf_adamw(model, LR, WEIGHT_DECAY, BETAS, EPS, cuda)
@@ -1058,8 +1112,10 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     # picks for these tensors; the spy itself would make the compiled graph recompile).
     with health_lib.BackendProbe([model]) as probe:
         step(forward=model)
-    result["health"] = probe.report(device_type=device.type).to_dict()
-    result.update(params=params, skipped_steps=0, notes=[],
+    health = probe.report(device_type=device.type)
+    health.fusions.update(fusions)
+    result["health"] = health.to_dict()
+    result.update(params=params, skipped_steps=0, notes=[notes] if notes else [],
                   precision="bf16 (params, grads, AdamW states)" if cuda else "fp32 (CPU run)")
     return result
 
