@@ -18,6 +18,8 @@
 #   CONCURRENT=1           train this many runs at once, run k of each wave on GPUs k*NPROC .. k*NPROC+NPROC-1
 #                          (CUDA_VISIBLE_DEVICES): the check takes about one run's time on a node with enough GPUs
 #                          (the first run starts alone and the others once it logged a step: the data's index cache)
+#   SHARE_GPUS=0           1: the concurrent runs share the visible GPUs instead of taking NPROC each (small models
+#                          on one large GPU)
 #   RUNS                   "name:flags;name:flags..."; the first is the reference. Default (GPU with TE):
 #                          stock-te-bf16:--spec stock-te --bf16;litespark-bf16:--spec litespark
 #                          --transformer-impl transformer_engine --bf16;litespark-fp8:<the same> --fp8-format hybrid
@@ -58,6 +60,8 @@ if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
 [[ $STEPS =~ ^[0-9]+$ ]] && WARMUP="${WARMUP:-$((10#$STEPS / 10))}"
 for v in STEPS NPROC SMOOTH CONCURRENT; do check_int "$v" "${!v}" 1; done
 for v in START_STEP WARMUP; do check_int "$v" "${!v}" 0; done
+SHARE_GPUS="${SHARE_GPUS:-0}"
+[[ $SHARE_GPUS =~ ^[01]$ ]] || die "SHARE_GPUS='$SHARE_GPUS' must be 0 or 1"
 [ "$START_STEP" -lt "$STEPS" ] || die "START_STEP=$START_STEP must be below STEPS=$STEPS"
 [ "$WARMUP" -lt "$STEPS" ] || die "WARMUP=$WARMUP must be below STEPS=$STEPS"
 
@@ -111,7 +115,7 @@ start_run() {
   fi
   # The run's own flags last: they win over the shared arguments (what differs between runs is the point).
   cmd+=("${COMMON[@]}" "$@" "${extra[@]}" --tensorboard-dir "$dir/tb" --metrics-file "$dir/metrics.jsonl")
-  if [ "$CONCURRENT" -gt 1 ]; then
+  if [ "$CONCURRENT" -gt 1 ] && [ "$SHARE_GPUS" = 0 ]; then
     for ((d = slot * NPROC; d < (slot + 1) * NPROC; d++)); do gpus+="${gpus:+,}$d"; done
   fi
   echo "[$((i + 1))/${#names[@]}] ${names[$i]}:${gpus:+ CUDA_VISIBLE_DEVICES=$gpus} ${cmd[*]}"

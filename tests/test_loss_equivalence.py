@@ -58,6 +58,7 @@ def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     (dict(STEPS="ten"), "STEPS='ten' must be an integer >= 1"),
     (dict(WARMUP="-3"), "WARMUP='-3' must be an integer >= 0"),
     (dict(STEPS="10", START_STEP="10"), "START_STEP=10 must be below STEPS=10"),
+    (dict(SHARE_GPUS="yes"), "SHARE_GPUS='yes' must be 0 or 1"),
     (dict(STEPS="10", START_STEP="2", WARMUP="10"), "WARMUP=10 must be below STEPS=10"),
     (dict(CONCURRENT="0"), "CONCURRENT='0' must be an integer >= 1"),
 ])
@@ -100,3 +101,21 @@ fi
     assert starts[2] == ["0", "6"], starts         # the second wave starts after the first finished
     report = (tmp_path / "eq" / "report.md").read_text()
     assert "| same | 5 (2-6) |" in report and "| third | 5 (2-6) |" in report and report.count("| yes |") == 2
+
+
+def test_shared_gpus_leave_the_devices_to_every_run(tmp_path):
+    """SHARE_GPUS=1: the concurrent runs all see the devices the script was given (no CUDA_VISIBLE_DEVICES of their
+    own), and the second still waits for the first's first step (the index cache)."""
+    ref_metrics = tmp_path / "eq" / "ref" / "metrics.jsonl"
+    wrapper = cpu_python(tmp_path, f"""if [ "$1 $2" = "-m litespark_megatron" ]; then
+  echo "${{CUDA_VISIBLE_DEVICES-unset}} $(grep -cs '"kind": "train"' {ref_metrics})" >> {tmp_path / "starts.txt"}
+fi
+""")
+    proc = equivalence(tmp_path, *DATA, STEPS="3", START_STEP="1", SMOOTH="1", CONCURRENT="2", SHARE_GPUS="1",
+                       PYTHON=wrapper, CUDA_VISIBLE_DEVICES="7",
+                       RUNS="ref:--spec stock-local;same:--transformer-impl local")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert [line.split(" /")[0] for line in lines] == ["[1/2] ref:", "[2/2] same:"]
+    starts = [line.split() for line in (tmp_path / "starts.txt").read_text().splitlines()]
+    assert starts[0] == ["7"] and starts[1][0] == "7" and int(starts[1][1]) >= 1, starts  # ["7"]: no file yet
