@@ -260,6 +260,9 @@ def prepare_libraries() -> Platform:
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
+HELPER_PARENT = "LITESPARK_HELPER_PARENT"
+
+
 def die_with_parent() -> None:
     """In a helper process: the kernel kills it when the process that started it ends, however it ends (Linux
     PR_SET_PDEATHSIG). If that process is already gone, exit now. (The kernel ties the signal to the thread that
@@ -270,7 +273,10 @@ def die_with_parent() -> None:
     import ctypes
     import signal
 
-    parent = os.getppid()
+    # A spawned helper runs this only after its interpreter started and imported (a second or more): its trainer
+    # may have died by then, and its parent is then whoever adopted it (PID 1, or a subreaper: a container's init,
+    # a job step's). The trainer's pid, in the environment it was spawned with, says which parent is its own.
+    parent = int(os.environ.pop(HELPER_PARENT, 0)) or os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     except (AttributeError, OSError):
@@ -283,20 +289,33 @@ def die_with_parent() -> None:
 
 @contextlib.contextmanager
 def _helpers_born_ignoring_stop_signals():
-    """Helpers spawned in this block are born ignoring the stop signals. A spawned helper is a fresh interpreter for
+    """Helpers spawned in this block know their trainer's pid (for die_with_parent) and are born ignoring the stop
+    signals. A spawned helper is a fresh interpreter for
     a second or more before `die_with_parent` runs in it, and the save that starts it is typically the one a
     scheduler's SIGTERM asked for, while the scheduler is still signalling every process of the job (node by node):
     the signal killed the helper at birth and failed the save on that rank (seen under CPU load). A signal ignored
     at exec stays ignored (a blocked one does not: spawning clears the mask), so the stop signals are ignored
     around each fork and exec of multiprocessing's spawn, a few milliseconds, and restored at once: a stop signal
-    to the trainer inside those milliseconds is lost. Main thread only (signal.signal); elsewhere nothing changes."""
-    import signal
+    to the trainer inside those milliseconds is lost. Main thread only (signal.signal); elsewhere the signals are
+    left alone."""
     import threading
     from multiprocessing import util
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    os.environ[HELPER_PARENT] = str(os.getpid())  # for die_with_parent in the helpers spawned here
+    try:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with _stop_signals_ignored_at_spawn(util):
+            yield
+    finally:
+        os.environ.pop(HELPER_PARENT, None)
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored_at_spawn(util):
+    import signal
+
     original = util.spawnv_passfds
 
     def spawnv_passfds(*args, **kwargs):

@@ -47,9 +47,11 @@ def pytest_collection_modifyitems(config, items):
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral
 # range: a port-0 choice, closed and handed to a child, was once taken in between by another worker's gloo (which
 # binds ephemeral ports all the time); nothing else hands out these, and no two workers share a block.
-PORT_BLOCK = 1000
+# 30 blocks below 32768: a 16-core machine runs 16 workers, whose blocks must not overlap (with 12 blocks, workers
+# 2 and 14 once bound the same port).
+PORT_BLOCK = 400
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_PORT_START = 20000 + PORT_BLOCK * ((int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0) % 12)
+_PORT_START = 20000 + PORT_BLOCK * ((int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0) % 30)
 _PORTS = itertools.cycle(range(_PORT_START, _PORT_START + PORT_BLOCK))
 
 

@@ -307,9 +307,14 @@ config = GPTDatasetConfig(random_seed=1, sequence_length=16, blend=([{tiny!r}], 
 BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 10], lambda: True, config).build()
 print("BUILT")
 """
-    with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=15,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    # The suite's path (megatron-core may be installed on PYTHONPATH) with the checkout first; a process that ends,
+    # whatever the reason, says how.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=15, env=env)
+    except subprocess.TimeoutExpired:
+        return
+    pytest.fail(f"the build returned (exit {proc.returncode}): {proc.stdout[-300:]}{proc.stderr[-2000:]}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

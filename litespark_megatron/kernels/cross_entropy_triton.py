@@ -6,6 +6,9 @@ import triton.language as tl
 
 # Columns a program reads at once: large enough to keep the memory system busy, small enough for its registers.
 MAX_BLOCK = 8192
+# The row's width (a TP rank's share of the vocabulary) is a compile-time constant: one kernel per model, and its loop
+# bound a Python int, which Triton's interpreter needs (Triton 3.6's turns a runtime bound into a one-element numpy
+# array, and numpy 2.5 refuses that array as a range bound).
 
 
 def block_size(columns: int) -> int:
@@ -13,7 +16,7 @@ def block_size(columns: int) -> int:
 
 
 @triton.jit
-def _row_statistics(logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, columns, vocab_start,
+def _row_statistics(logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, vocab_start, columns: tl.constexpr,
                     BLOCK: tl.constexpr):
     """Per row: the max of this shard's logits, the sum of exp(logit - max), and the target's logit (0 where the
     target is in another shard). One read of the row (online softmax: the sum is rescaled as the max grows)."""
@@ -39,7 +42,7 @@ def _row_statistics(logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, 
 
 
 @triton.jit
-def _gradient_in_place(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, columns, vocab_start,
+def _gradient_in_place(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, vocab_start, columns: tl.constexpr,
                        BLOCK: tl.constexpr):
     """Per row: (softmax - onehot(target)) * the loss's gradient, written over the row's logits in their dtype.
     The softmax is exp(logit - logsumexp) with the logsumexp of the whole vocabulary (all TP shards)."""
