@@ -132,6 +132,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "Triton on a GPU, its plain-torch reference elsewhere) instead of megatron-core's: no fp32 "
                         "copy of the logits, whose memory takes their gradient in the backward; with "
                         "--chunked-output-loss each chunk's loss runs it")
+    g.add_argument("--litespark-rmsnorm", action="store_true",
+                   help="the Litespark layer's RMSNorms run Litespark's kernels (kernels/rms_norm.py; Triton on a GPU, "
+                        "its plain-torch reference elsewhere), any hidden size at full bandwidth, instead of "
+                        "Transformer Engine's norm inside its norm+GEMM module (te backend) or a compiled norm "
+                        "(local backend); checkpoints keep their keys")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -400,6 +405,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_chunked_output_loss(args, tp, cp)
     if args.litespark_cross_entropy:
         _check_litespark_cross_entropy(args, plat)
+    if args.litespark_rmsnorm:
+        _check_litespark_rmsnorm(args, plat)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     if args.litespark_spec == "litespark":
@@ -745,6 +752,24 @@ def _check_litespark_cross_entropy(args, plat) -> None:
     if args.mtp_num_layers:
         raise ConfigError("--litespark-cross-entropy with --mtp-num-layers: multi-token prediction computes its "
                           "losses with megatron-core's cross-entropy; drop one")
+
+
+def _check_litespark_rmsnorm(args, plat) -> None:
+    """Where the flag has a layer to act on, and a GPU runs the kernel."""
+    from .kernels.rms_norm import triton_available
+
+    if args.litespark_spec != "litespark":
+        raise ConfigError("--litespark-rmsnorm builds the Litespark layer's norms; it needs --spec litespark")
+    if plat.device_type == "cuda" and not triton_available():
+        raise ConfigError("--litespark-rmsnorm on a GPU runs Triton kernels, and Triton does not import here: "
+                          "install torch's CUDA build with its triton, or drop the flag")
+    if args.fp8 and args.transformer_impl == "transformer_engine":
+        raise ConfigError("--litespark-rmsnorm with --fp8-format on the te backend: Transformer Engine's norm writes "
+                          "the next GEMM's FP8 input itself, and Litespark's writes bf16 that TE would cast again; "
+                          "use it in BF16, or drop it")
+    if args.multi_latent_attention:
+        raise ConfigError("--litespark-rmsnorm with --multi-latent-attention: MLA's latent norms stay inside "
+                          "Transformer Engine's up projections; drop one")
 
 
 def _check_fp8_parameters_optimizer(args) -> None:

@@ -165,12 +165,15 @@ class BackendProbe:
         return list(self.seen)
 
     def report(self, models=None, config=None, requested: Optional[dict] = None, device_type: str = "cuda",
-               cross_entropy: Optional[str] = None) -> "Health":
+               cross_entropy: Optional[str] = None, rms_norm: Optional[str] = None) -> "Health":
         """`cross_entropy`: the loss a GPTModel output processor runs instead of the config's (Litespark's kernel,
-        kernels/cross_entropy.cross_entropy_path)."""
+        kernels/cross_entropy.cross_entropy_path); `rms_norm`: the norm kernel the layers run where it is Litespark's
+        (kernels/rms_norm.rms_norm_path)."""
         fusions = fusion_states(models or self.models, config, device_type) if config is not None else {}
         if cross_entropy is not None:
             fusions["cross_entropy"] = cross_entropy
+        if rms_norm is not None:
+            fusions["rms_norm"] = rms_norm
         return assess(self.attention, fusions, requested or {}, device_type)
 
 
@@ -284,7 +287,8 @@ def from_metrics(records: Sequence[dict]) -> Optional[Health]:
                                                       "device_type")})
 
 
-FUSION_NAMES = {"cross_entropy": "cross-entropy", "rope": "RoPE", "wgrad_accumulation": "wgrad-accumulation"}
+FUSION_NAMES = {"cross_entropy": "cross-entropy", "rope": "RoPE", "wgrad_accumulation": "wgrad-accumulation",
+                "rms_norm": "RMSNorm"}
 
 
 def assess(attention: Sequence[AttentionUse], fusions: Dict[str, str], requested: Dict[str, bool],

@@ -35,6 +35,8 @@ def model_config_from_args(args):
         bound["nsa"] = NSASettings(args.nsa_block_size, args.nsa_selected_blocks, args.nsa_window)
     if getattr(args, "core_attention", "sdpa") != "sdpa":
         bound["core_attention"] = args.core_attention
+    if getattr(args, "litespark_rmsnorm", False):
+        bound["norm"] = "litespark"
     if bound:
         from .specs import litespark_layer_spec
 

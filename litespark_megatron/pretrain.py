@@ -159,8 +159,13 @@ def _probed_forward(run, model):
         from .kernels.cross_entropy import cross_entropy_path
 
         cross_entropy = cross_entropy_path(device_type)
+    rms_norm = None
+    if args.litespark_rmsnorm:
+        from .kernels.rms_norm import rms_norm_path
+
+        rms_norm = rms_norm_path(device_type)
     report = probe.report(config=get_model_config(model), requested=health.requested_fusions(args),
-                          device_type=device_type, cross_entropy=cross_entropy)
+                          device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm)
     telemetry.record_health(report)
     return output
 

@@ -54,7 +54,7 @@ def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = Fals
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
                              num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                              q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
-                             nsa=None, core_attention: str = "sdpa") -> ModuleSpec:
+                             nsa=None, core_attention: str = "sdpa", norm: str = "default") -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     core_attention "sdpa" (both backends): torch's scaled_dot_product_attention (LitesparkCoreAttention); on Hopper
@@ -72,6 +72,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     linears (local: SequentialMLP; te: TEGroupedMLP with moe_grouped_gemm, else SequentialMLP of TE linears).
     nsa (layers.nsa.NSASettings): native sparse attention instead of dense attention, its gates a second
     column-parallel linear beside QKV, both reading the input norm's output (a module of its own then).
+    norm "litespark" (--litespark-rmsnorm): every norm is a LitesparkRMSNorm running Litespark's kernel
+    (kernels/rms_norm.py), on te a module of its own before plain TE linears, its keys mapped to the fused ones.
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -89,6 +91,11 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     if core_attention == "te" and nsa is not None:
         raise ConfigError("native sparse attention is its own core attention: the core attention 'te' does not "
                           "apply to it")
+    if norm not in ("default", "litespark"):
+        raise ConfigError(f"unknown Litespark norm '{norm}'; choose 'default' or 'litespark'")
+    if norm == "litespark" and multi_latent_attention:
+        raise ConfigError("Litespark's RMSNorm with multi-latent attention: MLA's latent norms stay inside TE's up "
+                          "projections")
     attend = LitesparkCoreAttention  # both backends, context parallelism included
     if backend == "te":
         from megatron.core.extensions.transformer_engine import (
@@ -129,6 +136,11 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         keys_map = _keys_map(multi_latent_attention, bool(num_experts), qk_layernorm, nsa is not None)
     else:
         raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
+    if norm == "litespark":
+        norm = fused_norm = ModuleSpec(module=LitesparkRMSNorm, params={"kernel": "litespark"})
+        if backend == "te":  # the norms leave TE's norm+GEMM modules: plain TE linears after them
+            qkv = fc1 = column
+            keys_map = _keys_map(False, bool(num_experts), False, nsa is not None)
 
     if multi_latent_attention:
         input_norm = norm  # MLA's first GEMMs (the down projections) take no fused norm
@@ -173,7 +185,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
 
 def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
-                         core_attention: str = "sdpa") -> TransformerBlockSubmodules:
+                         core_attention: str = "sdpa", norm: str = "default") -> TransformerBlockSubmodules:
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
     --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention) and
@@ -195,7 +207,7 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
                                         num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                         q_lora_rank=getattr(config, "q_lora_rank", None),
                                         qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
-                                        core_attention=core_attention)
+                                        core_attention=core_attention, norm=norm)
 
     dense = layer(None)
     moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock
@@ -206,8 +218,12 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         local = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
-    if backend == "te":
+    from .layers import LitesparkRMSNorm
+
+    if norm == "litespark":
+        final_norm = ModuleSpec(module=LitesparkRMSNorm, params={"kernel": "litespark"})
+    elif backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
-        from .layers import LitesparkRMSNorm as final_norm
+        final_norm = LitesparkRMSNorm
     return TransformerBlockSubmodules(layer_specs=[moe if pattern[i] else dense for i in local], layer_norm=final_norm)

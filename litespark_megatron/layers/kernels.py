@@ -14,18 +14,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings import rope_utils
 
+from ..kernels.rms_norm import rms_norm_reference  # noqa: F401  (defined beside Litespark's own RMSNorm kernel)
+
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2f] laid out as [gate | up] -> silu(gate) * up, [..., f]."""
     gate, up = torch.chunk(gate_up, 2, dim=-1)
     return F.silu(gate) * up
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: statistics in (at least) fp32, result in the input dtype, then scaled by the weight."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return y.to(x.dtype) * weight.to(x.dtype)
 
 
 def rope_reference(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

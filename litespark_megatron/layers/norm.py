@@ -1,8 +1,10 @@
-"""RMSNorm for the local backend (the te backend fuses the norm into the following GEMM instead)."""
+"""RMSNorm for the local backend (the te backend fuses the norm into the following GEMM instead, unless
+--litespark-rmsnorm)."""
 from __future__ import annotations
 
 import torch
 
+from ..kernels.rms_norm import rms_norm
 from . import kernels
 
 
@@ -14,8 +16,13 @@ class LitesparkRMSNorm(torch.nn.Module):
     megatron-core's finalize_model_grads all-reduce it over the TP group.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, kernel: str = "default", **unused):
+        """kernel "default": the compiled reference on a GPU; "litespark": Litespark's kernels (kernels/rms_norm.py,
+        --litespark-rmsnorm). The reference on a CPU either way."""
         super().__init__()
+        if kernel not in ("default", "litespark"):
+            raise ValueError(f"unknown RMSNorm kernel '{kernel}'; choose 'default' or 'litespark'")
+        self._norm = rms_norm if kernel == "litespark" else kernels.rms_norm
         self.eps = eps
         # --apply-layernorm-1p (Megatron-LM's zero-centered gamma): the norm scales by 1 + weight, weight from 0.
         self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
@@ -24,4 +31,4 @@ class LitesparkRMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight + 1 if self.zero_centered_gamma else self.weight, self.eps)
+        return self._norm(x, self.weight + 1 if self.zero_centered_gamma else self.weight, self.eps)

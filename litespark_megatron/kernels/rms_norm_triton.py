@@ -1,0 +1,56 @@
+"""The Triton kernels of Litespark's RMSNorm (rms_norm.py): one program per row in the forward (the row read once,
+statistics in fp32); in the backward one program per block of rows, each writing its rows' input gradient and its
+partial sum of the weight's gradient. Imported only where Triton runs (a CUDA device, or Triton's interpreter in the
+tests)."""
+import triton
+import triton.language as tl
+
+# The hidden size is a compile-time constant (one kernel per model); a row is read in one block of the next power of
+# two (presets: 2,048-8,192 columns).
+
+
+def block_size(columns: int) -> int:
+    return triton.next_power_of_2(columns)
+
+
+@triton.jit
+def _forward(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, columns: tl.constexpr, BLOCK: tl.constexpr):
+    """y = (x * rsqrt(mean(x^2) + eps)) rounded to x's dtype, times the weight (the product rounded again, as torch
+    multiplies two bf16 tensors); the row's rsqrt kept (fp32) for the backward."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < columns
+    x = tl.load(x_ptr + row * columns + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / columns + eps)
+    normed = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * columns + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, rows, columns: tl.constexpr,
+              ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+    """For rows [first, first + ROWS_PER_PROGRAM): dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w and
+    xhat = x * rstd (fp32), written in x's dtype; the program's sum of dy * xhat (xhat rounded as the forward
+    rounded it) into its row of the [programs, columns] fp32 partials, which torch sums. (Loop bounds are
+    compile-time constants and rows past the end are masked, not skipped: what Triton's interpreter runs too.)"""
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < columns
+    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    first = program.to(tl.int64) * ROWS_PER_PROGRAM
+    for i in range(0, ROWS_PER_PROGRAM):
+        row = first + i
+        exists = row < rows
+        mask = in_row & exists
+        x = tl.load(x_ptr + row * columns + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * columns + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=exists, other=0.0)
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / columns))
+        tl.store(dx_ptr + row * columns + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * xhat.to(dx_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dw_partial_ptr + program * columns + cols, dw, mask=in_row)
