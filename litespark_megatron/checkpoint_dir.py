@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Iterator, List, Optional
 
-from .arguments import PROG, ConfigError
+from .errors import PROG, ConfigError
 
 LOCK_NAME = ".litespark.lock"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")

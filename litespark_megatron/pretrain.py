@@ -6,6 +6,7 @@ to it (the forward step, the loss with its checks, the datasets provider) and th
 
     main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 5 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
+               -> corpus.prepare_embedded_corpus --embedded-corpus: the corpus built (once, cached)
                -> data.check                     data and tokenizer checked before any process group
                -> checkpoint_dir.lock / clean    --save held by this run alone; refused if its saves would
                                                  overwrite complete checkpoints it did not load; unfinished saves
@@ -27,7 +28,7 @@ _PROGRAM_START_TIME = time.time()
 import torch  # noqa: E402
 
 from . import arguments, platform  # noqa: E402
-from .arguments import UserError  # noqa: E402
+from .errors import PROG, UserError  # noqa: E402
 
 # Fields of a GPT batch, in the order megatron-core's batch utilities expect them.
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     try:
         args, plat = prepare(argv)
     except UserError as e:
-        print(f"{arguments.PROG}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         code = train(args, plat)
@@ -221,11 +222,12 @@ def prepare(argv):
     megatron.training's global state (get_args(), TensorBoard). Raises UserError with one line."""
     from megatron.training.global_vars import set_global_variables
 
-    from . import checkpoint_dir, data
+    from . import checkpoint_dir, corpus, data
 
     platform.quiet_library_noise()
     plat = platform.prepare_libraries()
     args = arguments.parse_checked(argv, plat)
+    corpus.prepare_embedded_corpus(args)
     data.check(args)
     checkpoint_dir.lock(args)
     checkpoint_dir.clean(args)
@@ -261,7 +263,7 @@ def _ctrl_c_like(exit_signal, saves: bool) -> None:
         return  # started to ignore Ctrl-C (a shell's background job): it stays so
     trainer = os.getpid()
     then = ": a checkpoint at the next step, then exit" if saves else " at the next step, then exit"
-    line = f"{arguments.PROG}: Ctrl-C (SIGINT): stopping as on {signal.Signals(exit_signal).name} " \
+    line = f"{PROG}: Ctrl-C (SIGINT): stopping as on {signal.Signals(exit_signal).name} " \
            f"(--exit-signal-handler){then}\n".encode()
 
     def handler(signum, frame):
@@ -334,7 +336,7 @@ def _explain_failed_validation(code, args) -> None:
              "megatron.training re-runs the step there to tell a faulty GPU from the data; --rerun-mode disabled "
              "resumes it anywhere" if code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and args.save
              else "no checkpoint holds it")
-    print(f"{arguments.PROG}: error: step {step}: {failed.caller.message} (rank {failed.caller.rank}, value "
+    print(f"{PROG}: error: step {step}: {failed.caller.message} (rank {failed.caller.rank}, value "
           f"{machine.initial_result}); the step was not applied, {saved}; exit {code}", file=sys.stderr, flush=True)
 
 

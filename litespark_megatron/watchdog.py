@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Optional
 
-from .arguments import PROG
+from .errors import PROG
 
 WARM_UP_STEPS = 3  # start-up, compilation and the first allocations make the first steps slow
 SPIKE_WINDOW = 100  # the median of this many recent losses is the reference of --loss-spike-factor
