@@ -4,7 +4,7 @@ The trainer is megatron.training's own `pretrain`: its loop, arguments, checkpoi
 (the rerun state machine), async saves, TensorBoard and W&B. What this module adds is what pretrain_gpt.py adds
 to it (the forward step, the loss with its checks, the datasets provider) and the Litespark pieces:
 
-    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 5 gaps)
+    main(argv) -> platform.prepare_libraries     the package of every library patch (CPU shims, 5 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
                -> corpus.prepare_embedded_corpus --embedded-corpus: the corpus built (once, cached)
                -> data.check                     data and tokenizer checked before any process group
@@ -13,6 +13,8 @@ to it (the forward step, the loss with its checks, the datasets provider) and th
                                                  removed, older checkpoints pruned (--keep-last-checkpoints)
                -> set_global_variables           get_args(); Ctrl-C joins SIGTERM with --exit-signal-handler
                -> telemetry.attach               MFU, energy, J/token, metrics.jsonl beside Megatron-LM's logs
+               -> checkpoint_dir.attach,         listeners, as telemetry is, of megatron.training's loop
+                  watchdog.start                 (platform.callbacks wraps it and tells them)
                -> megatron.training.pretrain     model from model.model_config_from_args (the --spec layer)
                -> [--sample-prompt]              a greedy continuation printed after training
 """
