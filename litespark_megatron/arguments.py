@@ -21,57 +21,14 @@ import contextlib
 import functools
 import io
 import os
-import re
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-
-class UserError(Exception):
-    """Bad input the user can fix: printed as one line, exit code 2, no traceback."""
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration that cannot run. The message says what is wrong and what to do."""
-
-
-PROG = "litespark-train"
-
-# --------------------------------------------------------------------------------------------- presets
-# What makes a Megatron-LM GPT a Llama: the layer the Litespark modules compute.
-LLAMA = {"swiglu": True, "normalization": "RMSNorm", "disable-bias-linear": True, "position-embedding-type": "rope",
-         "attention-dropout": 0.0, "hidden-dropout": 0.0, "norm-epsilon": 1e-5}
-
-
-@dataclass(frozen=True)
-class Preset:
-    flags: Dict[str, object]  # Megatron-LM flag name (without --) -> value; True gives the switch
-    description: str
-
-
-def _llama(layers, hidden, ffn, heads, groups, seq, max_positions, rotary_base, vocab, description):
-    shape = {"num-layers": layers, "hidden-size": hidden, "ffn-hidden-size": ffn, "num-attention-heads": heads,
-             "seq-length": seq, "max-position-embeddings": max_positions, "rotary-base": rotary_base,
-             "vocab-size": vocab, "untie-embeddings-and-output-weights": True}
-    if groups != heads:
-        shape.update({"group-query-attention": True, "num-query-groups": groups})
-    return Preset({**LLAMA, **shape}, description)
-
-
-PRESETS = {
-    # Small enough for CPU tests and the quickstart; 4 layers so that PP2 x 2 virtual stages is possible.
-    "tiny": _llama(4, 128, 352, 4, 2, 128, 4096, 10000, 4096, "test/quickstart model, ~2M parameters"),
-    "llama-1b": _llama(16, 2048, 8192, 32, 8, 4096, 131072, 500000, 128256, "Llama-3.2-1B shape, untied"),
-    "llama-3b": _llama(28, 3072, 8192, 24, 8, 4096, 131072, 500000, 128256, "Llama-3.2-3B shape, untied"),
-    "llama3-8b": _llama(32, 4096, 14336, 32, 8, 8192, 131072, 500000, 128256, "Llama-3-8B"),
-    "llama-30b": _llama(60, 6656, 17920, 52, 52, 4096, 4096, 10000, 32000, "LLaMA-30B shape (MHA, 32k vocab)"),
-    # Bases of the efficiency suite: GQA with 4 KV groups, 4x FFN, untied, 32k vocabulary (docs/metrics.md).
-    "eff-0.5b": _llama(28, 1024, 4096, 16, 4, 2048, 4096, 10000, 32000,
-                       "efficiency-suite base, ~0.49B parameters (32k vocab)"),
-    "eff-1.5b": _llama(22, 2048, 8192, 16, 4, 2048, 4096, 10000, 32000,
-                       "efficiency-suite base, ~1.47B parameters (32k vocab)"),
-}
+from .data import megatron_tokenizer as _megatron_tokenizer
+from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: benchmark.py still takes it from here)
+from .platform.library_gaps import escape_bare_percent_in_help
+from .presets import PRESETS, preset
 
 DEFAULT_FLAGS = {"spec": "litespark"}
 # On a CPU-only torch: what megatron.training's defaults assume of a GPU, switched off.
@@ -172,13 +129,7 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
 
-    # megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda has a bare '%' ("10%)"), which
-    # argparse reads as a format directive: --help raised ValueError. Escape bare percent signs in help texts.
-    for action in parser._actions:
-        if action.help and "%" in action.help:
-            action.help = re.sub(r"%(\([a-z_]+\)[a-z]|%)?", lambda m: m.group(0) if m.group(1) else "%%",
-                                 action.help)
-
+    escape_bare_percent_in_help(parser)  # a gap of megatron-core's parser (platform.library_gaps)
     parser.prog = PROG
     parser.error = error
     return parser
@@ -258,7 +209,7 @@ def expand(argv: Sequence[str], cpu: bool) -> List[str]:
     file_flags = load_config_file(known.config) if known.config else {}
     model = known.model or file_flags.get("model")
     if model is not None:
-        flags = dict(_preset(model).flags)
+        flags = dict(preset(model).flags)
         if "--multi-latent-attention" in argv or file_flags.get("multi-latent-attention") or \
                 file_flags.get("multi_latent_attention"):
             # MLA replaces the preset's attention: its grouped KV heads mean nothing there (and Megatron-LM
@@ -275,20 +226,17 @@ def expand(argv: Sequence[str], cpu: bool) -> List[str]:
 
 
 def embedded_corpus_flags(name: str) -> Dict[str, object]:
-    """Prepare (once, cached; several ranks at once are safe) the embedded corpus and return its data flags."""
+    """The embedded corpus's data flags: where it is kept, built or not (the run builds it:
+    corpus.prepare_embedded_corpus)."""
     if name not in EMBEDDED_CORPORA:
         raise ConfigError(f"unknown --embedded-corpus '{name}'; choose one of: {', '.join(EMBEDDED_CORPORA)}")
-    from .corpus import prepare_stdlib_corpus
+    from .corpus import stdlib_corpus_dir, stdlib_corpus_layout
 
-    corpus = prepare_stdlib_corpus(os.path.join(cache_root(), "stdlib-corpus"))
+    prefix, tokenizer_dir, vocab_size = stdlib_corpus_layout(stdlib_corpus_dir())
     # megatron's NullTokenizer carries the vocabulary size; the text tokenizer (tokenizer-model) is ours, for
     # --sample-prompt and the end-of-run summary.
-    return {"data-path": [corpus.prefix], "tokenizer-type": "NullTokenizer", "vocab-size": corpus.vocab_size,
-            "tokenizer-model": corpus.tokenizer_dir}
-
-
-def cache_root() -> str:
-    return os.environ.get("LITESPARK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "litespark-megatron"))
+    return {"data-path": [prefix], "tokenizer-type": "NullTokenizer", "vocab-size": vocab_size,
+            "tokenizer-model": tokenizer_dir}
 
 
 # --------------------------------------------------------------------------------------------- resolution
@@ -314,17 +262,6 @@ def resolve_spec(args, user_argv: Sequence[str] = ()) -> None:
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown --model '{name}'; choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
-def preset_values(name: str) -> Dict[str, object]:
-    """A preset's flags as argument names (num_layers=..., swiglu=True, ...), for tools that need a shape only."""
-    return {k.replace("-", "_"): v for k, v in _preset(name).flags.items()}
 
 
 def check(args, plat, world: Optional[int] = None) -> None:
@@ -846,15 +783,6 @@ def resolve_quietly(argv: Sequence[str], plat=None) -> argparse.Namespace:
         lines = [line for line in err.getvalue().splitlines() if "error:" in line]
         raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "invalid litespark-train flags") \
             from None
-
-
-def _megatron_tokenizer(args):
-    """(megatron.training's tokenizer for these args, the padded vocabulary it gives), without touching args."""
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-
-    probe = argparse.Namespace(**vars(args))
-    probe.padded_vocab_size, probe.rank = None, 1  # a copy, and no "padded vocab" log line
-    return build_tokenizer(probe), probe.padded_vocab_size
 
 
 def model_vocab_size(args) -> int:

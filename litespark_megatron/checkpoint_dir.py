@@ -14,8 +14,9 @@ from those files, never from timestamps.
     clean(args)        global rank 0, at start: refuse a run whose saves would overwrite complete checkpoints it
                        did not load (it does not --load that directory, or starts at an iteration before them);
                        remove unfinished saves; apply --keep-last-checkpoints
-    attach(args)       around megatron.training's save_checkpoint_and_time: no in-place re-save, a failed save as
-                       one line and exit 1 (the tracker still names the last complete checkpoint), then pruning
+    attach(args)       a listener of megatron.training's saves (platform.callbacks): no in-place re-save, a failed
+                       save as one line and exit 1 (the tracker still names the last complete checkpoint), then
+                       pruning
     finish()           end of the run (any exit): the last pruning, once the final save is complete
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ import threading
 import time
 from typing import Iterator, List, Optional
 
-from .arguments import PROG, ConfigError
+from .errors import PROG, ConfigError
+from .platform import callbacks
 
 LOCK_NAME = ".litespark.lock"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -250,52 +252,45 @@ def already_saved(args, iteration: int) -> bool:
             and tracked_iteration(args.save) == iteration and os.path.isdir(_dir(args.save, iteration)))
 
 
-def attach(args) -> None:
-    """Wrap megatron.training's save_checkpoint_and_time and maybe_finalize_async_save (train() calls both through
-    its module globals): skip the in-place re-save above, a failed save as one line, then prune in the
-    background."""
-    global _args
-    from megatron.training import training
+class _Listener(callbacks.Listener):
+    """megatron.training's saves, as platform.callbacks tells them: no in-place re-save, a failed save as one line
+    and exit 1, then pruning in the background."""
 
-    _args = args
-    _watch_writer()
-    original = training.save_checkpoint_and_time
-    if getattr(original, "__litespark_checkpoint_dir__", False):
-        return
-
-    def save_checkpoint_and_time(iteration, *a, **k):
+    def skip_save(self, iteration):
         from megatron.training import get_args
 
         current = get_args()
-        if current.save and already_saved(current, iteration):
-            if _rank() == 0:
-                _say(f"iteration {iteration} is already saved in {_dir(current.save, iteration)} (this run loaded it "
-                     "and trained no step since): not saving it again")
-            return None
+        if not (current.save and already_saved(current, iteration)):
+            return False
+        if _rank() == 0:
+            _say(f"iteration {iteration} is already saved in {_dir(current.save, iteration)} (this run loaded it and "
+                 "trained no step since): not saving it again")
+        return True
+
+    def on_save_start(self, iteration):
         _writer_errors.last = None
-        try:
-            result = original(iteration, *a, **k)
-        except BaseException as e:
-            _failed(e, current, f"saving iteration {iteration}")
-        _prune(current, background=True)
-        return result
 
-    original_finalize = training.maybe_finalize_async_save
+    def on_save_end(self, iteration, seconds, error):
+        from megatron.training import get_args
 
-    def maybe_finalize_async_save(*a, **k):
-        """--async-save's writes end here, after the save call returned: a storage error surfaces here."""
-        try:
-            return original_finalize(*a, **k)
-        except BaseException as e:
-            from megatron.training import get_args
+        if error is not None:
+            _failed(error, get_args(), f"saving iteration {iteration}")
+        _prune(get_args(), background=True)
 
-            _failed(e, get_args(), "an asynchronous checkpoint save")
+    def on_async_save_error(self, error):
+        """--async-save's writes end in maybe_finalize_async_save, after the save call returned: a storage error
+        surfaces there."""
+        from megatron.training import get_args
 
-    save_checkpoint_and_time.__litespark_checkpoint_dir__ = True
-    save_checkpoint_and_time.__wrapped__ = original
-    maybe_finalize_async_save.__wrapped__ = original_finalize
-    training.save_checkpoint_and_time = save_checkpoint_and_time
-    training.maybe_finalize_async_save = maybe_finalize_async_save
+        _failed(error, get_args(), "an asynchronous checkpoint save")
+
+
+def attach(args) -> None:
+    """Guard this run's saves: a listener of megatron.training's loop (platform.callbacks)."""
+    global _args
+    _args = args
+    _watch_writer()
+    callbacks.listen("checkpoint_dir", _Listener())
 
 
 def _failed(error: BaseException, args, what: str) -> None:

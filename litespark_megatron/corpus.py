@@ -26,7 +26,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from litespark_megatron.data import (DataError, Tokenizer, default_tokenizer_dir, load_tokenizer,
+from litespark_megatron.data import (DataError, Tokenizer, cache_root, default_tokenizer_dir, load_tokenizer,
                                      train_bpe_tokenizer)
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ _BATCH_CHARS = 8 << 20
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _MANIFEST = "corpus.json"
 _MANIFEST_FORMAT = 1
+_PREFIX = "stdlib"  # the indexed dataset's name in the cache directory (its tokenizer: stdlib_tokenizer/)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -405,6 +406,29 @@ def prepare_stdlib_corpus(cache_dir: str, vocab_size: int = 4096, max_bytes: int
         return _build_stdlib_corpus(cache_dir, config)
 
 
+def stdlib_corpus_dir() -> str:
+    """Where `--embedded-corpus stdlib` keeps the corpus."""
+    return os.path.join(cache_root(), "stdlib-corpus")
+
+
+def stdlib_corpus_layout(cache_dir: str, vocab_size: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES,
+                         include_tests: bool = True) -> Tuple[str, str, int]:
+    """(--data-path prefix, tokenizer directory, vocabulary) of the corpus `prepare_stdlib_corpus` keeps in cache_dir,
+    built or not: what a run's flags name before the run builds it. Nothing is written. The vocabulary is the built
+    tokenizer's where the corpus is built (a byte-level BPE reports its real size), else the size it is trained to,
+    which a standard library's source reaches."""
+    built = _load_cached(cache_dir, _corpus_config(vocab_size, max_bytes, include_tests))
+    prefix = os.path.join(cache_dir, _PREFIX)
+    return prefix, default_tokenizer_dir(prefix), built.vocab_size if built is not None else int(vocab_size)
+
+
+def prepare_embedded_corpus(args) -> None:
+    """--embedded-corpus: build the corpus the run's data flags name (once, cached; several ranks at once are safe).
+    The command line only named it (`stdlib_corpus_layout`): a run builds its data, a parser does not."""
+    if getattr(args, "embedded_corpus", None) == "stdlib":
+        prepare_stdlib_corpus(stdlib_corpus_dir())
+
+
 def _build_stdlib_corpus(cache_dir: str, config: dict) -> StdlibCorpus:
     t0 = time.time()
     docs = _read_stdlib_documents(config["max_bytes"], config["include_tests"])
@@ -413,7 +437,7 @@ def _build_stdlib_corpus(cache_dir: str, config: dict) -> StdlibCorpus:
     num_bytes = sum(len(text.encode("utf-8")) for _, text in docs)
     logger.info("stdlib corpus: %d files, %.1f MB", len(docs), num_bytes / 1e6)
 
-    names = {"jsonl": "corpus.jsonl", "prefix": "stdlib"}
+    names = {"jsonl": "corpus.jsonl", "prefix": _PREFIX}
     names["tokenizer"] = os.path.basename(default_tokenizer_dir(names["prefix"]))
     build_dir = tempfile.mkdtemp(prefix=".build-", dir=cache_dir)
     try:

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .arguments import UserError
+from .errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -579,6 +579,22 @@ def _check_cache_dir(path: str) -> None:
                         "directory): give --data-cache-path a writable directory")
 
 
+def cache_root() -> str:
+    """Where prepared data is kept between runs: the embedded corpus, the token ranges of checked prefixes."""
+    return os.environ.get("LITESPARK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "litespark-megatron"))
+
+
+def megatron_tokenizer(args):
+    """(megatron.training's tokenizer for these args, the padded vocabulary it gives), without touching args."""
+    import argparse
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    probe = argparse.Namespace(**vars(args))
+    probe.padded_vocab_size, probe.rank = None, 1  # a copy, and no "padded vocab" log line
+    return build_tokenizer(probe), probe.padded_vocab_size
+
+
 def check(args) -> None:
     """Refuse data megatron-core would fail on with a traceback or an endless loop: missing or damaged prefixes,
     a split that leaves a part without tokens, a cache directory it cannot write. Mock data needs no check."""
@@ -591,9 +607,7 @@ def check(args) -> None:
     train_samples = 0 if args.skip_train else (args.train_iters or args.train_samples)
     check_split(infos, args.split or "969,30,1", [train_samples, None, None])
     if int(os.environ.get("RANK", "0")) == 0:  # one scan per job; a refusal on rank 0 ends every rank
-        from .arguments import _megatron_tokenizer
-
-        vocab = _megatron_tokenizer(args)[0].vocab_size
+        vocab = megatron_tokenizer(args)[0].vocab_size
         for info in infos:
             check_token_ids(info, vocab)
 
@@ -613,8 +627,6 @@ def check_token_ids(info: PrefixInfo, vocab: int) -> None:
 
 
 def _largest_token_id(path: str, dtype: np.dtype) -> Optional[int]:
-    from .arguments import cache_root
-
     stat = os.stat(path)
     key = hashlib.sha1(f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
     cached = os.path.join(cache_root(), "token-range", key + ".json")

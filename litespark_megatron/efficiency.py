@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from . import arguments
 from . import health as health_lib
-from .arguments import ConfigError, UserError
+from .errors import ConfigError, UserError
 
 STATE_FILE = "suite_state.json"
 STATE_VERSION = 1

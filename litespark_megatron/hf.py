@@ -41,7 +41,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .arguments import UserError
+from .errors import UserError
 
 PROG = "litespark-convert"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -202,7 +202,7 @@ def shape_of(config: dict) -> Shape:
 
 def model_flags(config: dict) -> Dict[str, object]:
     """The Megatron-LM flags (without --) of this model: what `model.yaml` holds."""
-    from .arguments import LLAMA
+    from .presets import LLAMA
 
     shape = shape_of(config)
     flags: Dict[str, object] = {**LLAMA, "norm-epsilon": float(config.get("rms_norm_eps", 1e-6)),
@@ -564,10 +564,10 @@ def _true_vocab(args, rows: int, vocab: Optional[int]) -> int:
     if vocab is None:
         vocab = own_vocab(args, None)  # the model's size, where the run gave it
     if vocab is None:
-        from .arguments import _megatron_tokenizer
+        from .data import megatron_tokenizer
 
         try:
-            vocab = _megatron_tokenizer(args)[0].vocab_size
+            vocab = megatron_tokenizer(args)[0].vocab_size
         except Exception as e:  # a tokenizer path that is gone, a library that is missing: megatron raises anything
             raise ConversionError(f"cannot build the run's tokenizer ({args.tokenizer_type} {args.tokenizer_model}: "
                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}) to tell the vocabulary "

@@ -84,7 +84,8 @@ class HFTelemetry(Telemetry):
 
 def parse(argv: Sequence[str]):
     """(--parallel, the resolved litespark-train args); ConfigError (one line) for what HF cannot run."""
-    from .arguments import ConfigError, resolve_quietly
+    from .arguments import resolve_quietly
+    from .errors import ConfigError
     from .metrics._cli import OneLineParser
     from .platform import detect
 
@@ -242,7 +243,7 @@ def train(parallel: str, args, plat) -> NoReturn:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .arguments import UserError
+    from .errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):

@@ -102,7 +102,7 @@ def layout_main(opts, train_args: List[str]) -> int:
         except ImportError as e:
             return _fail(opts.prog, f"cannot import {e.name or e} with {sys.executable}: set PYTHON to the "
                                     "interpreter where litespark-megatron is installed (pip install -e .)")
-    from .arguments import UserError
+    from .errors import UserError
 
     try:
         nproc = _nproc(opts.nproc_per_node, device, gpus)

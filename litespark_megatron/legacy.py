@@ -41,7 +41,7 @@ def legacy_checkpoint_dir(load_dir: Optional[str]) -> Optional[str]:
 
 def check(args) -> None:
     """Refuse resuming a legacy checkpoint (its weights load with --finetune)."""
-    from .arguments import ConfigError
+    from .errors import ConfigError
 
     if args.finetune or legacy_checkpoint_dir(args.load) is None:
         return

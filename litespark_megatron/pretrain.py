@@ -4,14 +4,17 @@ The trainer is megatron.training's own `pretrain`: its loop, arguments, checkpoi
 (the rerun state machine), async saves, TensorBoard and W&B. What this module adds is what pretrain_gpt.py adds
 to it (the forward step, the loss with its checks, the datasets provider) and the Litespark pieces:
 
-    main(argv) -> platform.prepare_libraries     the one module that patches libraries (CPU shims, 5 gaps)
+    main(argv) -> platform.prepare_libraries     the package of every library patch (CPU shims, 5 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
+               -> corpus.prepare_embedded_corpus --embedded-corpus: the corpus built (once, cached)
                -> data.check                     data and tokenizer checked before any process group
                -> checkpoint_dir.lock / clean    --save held by this run alone; refused if its saves would
                                                  overwrite complete checkpoints it did not load; unfinished saves
                                                  removed, older checkpoints pruned (--keep-last-checkpoints)
                -> set_global_variables           get_args(); Ctrl-C joins SIGTERM with --exit-signal-handler
                -> telemetry.attach               MFU, energy, J/token, metrics.jsonl beside Megatron-LM's logs
+               -> checkpoint_dir.attach,         listeners, as telemetry is, of megatron.training's loop
+                  watchdog.start                 (platform.callbacks wraps it and tells them)
                -> megatron.training.pretrain     model from model.model_config_from_args (the --spec layer)
                -> [--sample-prompt]              a greedy continuation printed after training
 """
@@ -27,7 +30,7 @@ _PROGRAM_START_TIME = time.time()
 import torch  # noqa: E402
 
 from . import arguments, platform  # noqa: E402
-from .arguments import UserError  # noqa: E402
+from .errors import PROG, UserError  # noqa: E402
 
 # Fields of a GPT batch, in the order megatron-core's batch utilities expect them.
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     try:
         args, plat = prepare(argv)
     except UserError as e:
-        print(f"{arguments.PROG}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         code = train(args, plat)
@@ -226,11 +229,12 @@ def prepare(argv):
     megatron.training's global state (get_args(), TensorBoard). Raises UserError with one line."""
     from megatron.training.global_vars import set_global_variables
 
-    from . import checkpoint_dir, data
+    from . import checkpoint_dir, corpus, data
 
     platform.quiet_library_noise()
     plat = platform.prepare_libraries()
     args = arguments.parse_checked(argv, plat)
+    corpus.prepare_embedded_corpus(args)
     data.check(args)
     checkpoint_dir.lock(args)
     checkpoint_dir.clean(args)
@@ -266,7 +270,7 @@ def _ctrl_c_like(exit_signal, saves: bool) -> None:
         return  # started to ignore Ctrl-C (a shell's background job): it stays so
     trainer = os.getpid()
     then = ": a checkpoint at the next step, then exit" if saves else " at the next step, then exit"
-    line = f"{arguments.PROG}: Ctrl-C (SIGINT): stopping as on {signal.Signals(exit_signal).name} " \
+    line = f"{PROG}: Ctrl-C (SIGINT): stopping as on {signal.Signals(exit_signal).name} " \
            f"(--exit-signal-handler){then}\n".encode()
 
     def handler(signum, frame):
@@ -339,7 +343,7 @@ def _explain_failed_validation(code, args) -> None:
              "megatron.training re-runs the step there to tell a faulty GPU from the data; --rerun-mode disabled "
              "resumes it anywhere" if code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and args.save
              else "no checkpoint holds it")
-    print(f"{arguments.PROG}: error: step {step}: {failed.caller.message} (rank {failed.caller.rank}, value "
+    print(f"{PROG}: error: step {step}: {failed.caller.message} (rank {failed.caller.rank}, value "
           f"{machine.initial_result}); the step was not applied, {saved}; exit {code}", file=sys.stderr, flush=True)
 
 

@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from .arguments import ConfigError
+from .errors import ConfigError
 
 LOCAL_TO_TE_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",

@@ -2,19 +2,18 @@
 J/token, memory, and `metrics.jsonl`, beside Megatron-LM's own log line and TensorBoard tags (and its W&B run, under
 the same names).
 
-`attach()` wraps three functions of megatron.training.training, which its `train()` calls through module globals:
+`attach()` makes it a listener of megatron.training's loop (platform.callbacks, which wraps the loop's functions):
 
-- `training_log` (every iteration): on log iterations, closes the measurement interval (time with a device
+- `on_train_step_end` (every iteration): on log iterations, closes the measurement interval (time with a device
   synchronize, NVML energy of every GPU of the job), writes a "train" record and adds Litespark's TensorBoard tags
   next to Megatron-LM's (`lm loss`, `learning-rate`, `grad-norm`, `throughput`, ... stay its own);
-- `evaluate`: pauses the interval (evaluation is not training) and records the loss ("val", or "test" when
-  `evaluate_and_print_results`, also wrapped, was asked for the test set);
-- `save_checkpoint_and_time`: pauses the interval and records the save time ("save");
-- `load_checkpoint`: records the load time ("load", written at the first step).
+- `on_eval_*` / `on_test_*`: pauses the interval (evaluation is not training) and records the loss ("val", or
+  "test" for the test set);
+- `on_save_*`: pauses the interval and records the save time ("save");
+- `on_load_end`: records the load time ("load", written at the first step).
 
-The same hooks tell the hang watchdog (watchdog.py, --hang-timeout-factor) when a step ends and when to pause.
-
-tests/test_telemetry.py fails if megatron.training renames these or stops calling them from train(). One schema
+tests/test_telemetry.py fails if megatron.training renames the functions behind these events or stops calling them
+from train(). One schema
 (docs/metrics.md): every record has "step" and "kind"; None means "not measured", never a number. One
 steady-state definition: an interval is the training time between two log iterations, evaluation and checkpoint
 saves excluded; tools drop the first interval (start-up, compilation). The file and the tags are written by the
@@ -23,7 +22,6 @@ last rank, where megatron.training's TensorBoard writer and the loss are.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -33,11 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import watchdog
 from .metrics.energy import EnergyMeter
 from .metrics.flops import ModelShape, param_count, recompute_from_args, training_flops_per_step
 from .metrics.peaks import PeakError, detect_peak
+from .platform import callbacks
 
+# The functions of megatron.training.training whose events telemetry hears (platform.callbacks wraps them).
 HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkpoint_and_time", "load_checkpoint")
 TB_PREFIX = "litespark/"
 
@@ -405,80 +404,54 @@ def _default_metrics_path(args) -> Optional[str]:
     return None
 
 
-# --------------------------------------------------------------------------------------------- the hooks
+# --------------------------------------------------------------------------------------------- the listener
 _telemetry: Optional[Telemetry] = None
 
 
-def attach(args, plat) -> Telemetry:
-    """Wrap megatron.training's training_log, evaluate and save_checkpoint_and_time (once per process)."""
-    global _telemetry
-    from megatron.training import training
+class _Listener(callbacks.Listener):
+    """megatron.training's loop, as platform.callbacks tells it: intervals end on log iterations, evaluation and
+    saves are paused out of them, and each is recorded."""
 
-    _telemetry = Telemetry(args, plat)
-    if getattr(training.training_log, "__litespark__", False):
-        return _telemetry
-    original_log, original_eval_print, original_eval, original_save, original_load = \
-        (getattr(training, n) for n in HOOKED)
-    eval_kind = ["val"]
+    def __init__(self, t: Telemetry):
+        self.t = t
 
-    @functools.wraps(original_log)
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                     skipped_iter, grad_norm, *rest, **kwargs):
-        result = original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                              skipped_iter, grad_norm, *rest, **kwargs)
-        _telemetry.on_iteration(iteration, loss_dict, learning_rate, loss_scale, skipped_iter, grad_norm)
-        watchdog.step_done(iteration, bool(skipped_iter), loss_dict)
-        return result
+    def on_train_step_end(self, iteration, loss_dict, learning_rate, loss_scale, skipped, grad_norm):
+        self.t.on_iteration(iteration, loss_dict, learning_rate, loss_scale, skipped, grad_norm)
 
-    @functools.wraps(original_eval_print)
-    def evaluate_and_print_results(prefix, *a, **k):
-        eval_kind[0] = "test" if "test set" in str(prefix) else "val"
-        try:
-            return original_eval_print(prefix, *a, **k)
-        finally:
-            eval_kind[0] = "val"
+    def on_eval_start(self):
+        self.t.pause()
 
-    @functools.wraps(original_eval)
-    def evaluate(*a, **k):
-        _telemetry.pause()
-        watchdog.pause()
-        try:
-            result = original_eval(*a, **k)
-        finally:
-            watchdog.resume()
-            _telemetry.resume()
-        if result and result[0]:
-            _telemetry.record_eval(_telemetry.iteration, result[0], eval_kind[0])
-        return result
+    def on_eval_end(self, loss_dict, kind="val"):
+        self.t.resume()
+        if loss_dict:
+            self.t.record_eval(self.t.iteration, loss_dict, kind)
 
-    @functools.wraps(original_save)
-    def save_checkpoint_and_time(iteration, *a, **k):
-        _telemetry.pause()
-        watchdog.pause()
-        t0 = time.perf_counter()
-        try:
-            return original_save(iteration, *a, **k)
-        finally:
-            seconds = time.perf_counter() - t0
-            _telemetry.write(iteration, "save", dict(seconds=seconds))
-            _telemetry._scalar("save-seconds", seconds, iteration)
-            watchdog.resume()
-            _telemetry.resume()
+    on_test_start = on_eval_start
 
-    @functools.wraps(original_load)
-    def load_checkpoint(*a, **k):
+    def on_test_end(self, loss_dict):
+        self.on_eval_end(loss_dict, "test")
+
+    def on_save_start(self, iteration):
+        self.t.pause()
+
+    def on_save_end(self, iteration, seconds, error):
+        self.t.write(iteration, "save", dict(seconds=seconds))
+        self.t._scalar("save-seconds", seconds, iteration)
+        self.t.resume()
+
+    def on_load_end(self, seconds):
         from megatron.training.checkpointing import checkpoint_exists
 
-        t0 = time.perf_counter()
-        result = original_load(*a, **k)
+        args = self.t.args
         if any(d and checkpoint_exists(d) for d in (args.load, args.pretrained_checkpoint)):  # else nothing loaded
-            _telemetry.load_seconds = time.perf_counter() - t0
-        return result
+            self.t.load_seconds = seconds
 
-    for name, fn in zip(HOOKED, (training_log, evaluate_and_print_results, evaluate, save_checkpoint_and_time,
-                                 load_checkpoint)):
-        fn.__litespark__ = True
-        setattr(training, name, fn)
+
+def attach(args, plat) -> Telemetry:
+    """Measure this run: a Telemetry listening to megatron.training's loop (platform.callbacks)."""
+    global _telemetry
+    _telemetry = Telemetry(args, plat)
+    callbacks.listen("telemetry", _Listener(_telemetry))
     return _telemetry
 
 

@@ -4,8 +4,8 @@
 - --max-skipped-steps: fp16 steps skipped one after another for inf/NaN gradients (the loss scale cannot recover);
 - --loss-spike-factor: a loss far above the recent median (warns, or stops before the spiked step is saved).
 
-Each rank runs a thread that knows when this rank last finished a step (telemetry's per-iteration hook calls
-`step_done`; evaluation and checkpoint saves pause it). When the current step has run longer than the factor times
+Each rank runs a thread that knows when this rank last finished a step (a listener of megatron.training's loop,
+platform.callbacks: each step's end calls `step_done`; evaluation and checkpoint saves pause it). When the current step has run longer than the factor times
 the median of the last 100 steps (and at least --hang-timeout-min-seconds), the rank prints one line naming itself
 and the step, then the stack of each of its threads (where it is stuck: a collective that another rank never
 joined, I/O, a data loader), and exits 1; torchrun then ends the other ranks. The stuck rank is the one whose stack
@@ -24,7 +24,8 @@ import time
 from collections import deque
 from typing import Optional
 
-from .arguments import PROG
+from .errors import PROG
+from .platform import callbacks
 
 WARM_UP_STEPS = 3  # start-up, compilation and the first allocations make the first steps slow
 SPIKE_WINDOW = 100  # the median of this many recent losses is the reference of --loss-spike-factor
@@ -142,6 +143,27 @@ current: Optional[StepWatchdog] = None
 spikes: Optional[LossSpikeGuard] = None
 
 
+class _Listener(callbacks.Listener):
+    """megatron.training's loop, as platform.callbacks tells it: steps end; evaluation and saves are not steps."""
+
+    def on_train_step_end(self, iteration, loss_dict, learning_rate, loss_scale, skipped, grad_norm):
+        step_done(iteration, bool(skipped), loss_dict)
+
+    def on_eval_start(self):
+        pause()
+
+    def on_eval_end(self, loss_dict):
+        resume()
+
+    on_test_start, on_test_end = on_eval_start, on_eval_end
+
+    def on_save_start(self, iteration):
+        pause()
+
+    def on_save_end(self, iteration, seconds, error):
+        resume()
+
+
 def start(args) -> None:
     global current, spikes
     if (args.hang_timeout_factor or args.max_skipped_steps) and current is None:
@@ -149,6 +171,7 @@ def start(args) -> None:
                                max_skipped=args.max_skipped_steps)
     if args.loss_spike_factor and spikes is None:
         spikes = LossSpikeGuard(args.loss_spike_factor, args.loss_spike_action)
+    callbacks.listen("watchdog", _Listener())
 
 
 def step_done(iteration: int, skipped: bool = False, loss_dict=None) -> None:

@@ -160,7 +160,7 @@ def preset(name: str):
     """A --model preset's Megatron-LM arguments as attributes (num_layers, ...; num_query_groups for MHA too)."""
     from types import SimpleNamespace
 
-    from litespark_megatron.arguments import preset_values
+    from litespark_megatron.presets import preset_values
 
     values = preset_values(name)
     values.setdefault("num_query_groups", values["num_attention_heads"])

@@ -330,7 +330,7 @@ def test_checkpoint_writer_helpers_outlive_a_stop_signal(tmp_path, mode):
 
 HELPER_SIGNALLED_WHILE_STARTING = """
 import os, signal, sys, threading, time
-from litespark_megatron import platform
+from litespark_megatron.platform import helper_processes as platform
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 

@@ -24,7 +24,7 @@ def test_quickstart_short(tmp_path):
     summary = json.loads(out.split("summary: ", 1)[1].splitlines()[0])
     assert summary["iterations"] == 60 and summary["energy_kwh"] is None  # CPU: not measured, never invented
     # Loss falls, and the model beats what any context-free model can do on this data.
-    from litespark_megatron.arguments import cache_root
+    from litespark_megatron.data import cache_root
     from litespark_megatron.corpus import prepare_stdlib_corpus
 
     entropy = prepare_stdlib_corpus(os.path.join(cache_root(), "stdlib-corpus")).unigram_entropy_nats  # cached

@@ -11,7 +11,8 @@ import re
 import sys
 from typing import Optional
 
-from litespark_megatron.arguments import PRESETS, ConfigError, preset_values
+from litespark_megatron.errors import ConfigError
+from litespark_megatron.presets import PRESETS, preset_values
 from litespark_megatron.metrics.flops import ModelShape
 from litespark_megatron.metrics.peaks import PEAK_TFLOPS, Peak, PeakError, detect_peak
 
