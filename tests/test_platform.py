@@ -391,42 +391,51 @@ def test_a_helper_signalled_while_it_starts_survives(tmp_path, mode):
 
 
 HELPER_ORPHANED_BEFORE_IT_STARTED = """
-import ctypes, os, subprocess, sys, threading, time
+import ctypes, multiprocessing, os, subprocess, sys, threading, time
 
-if __name__ == "__mp_main__":  # the spawned helper, importing this file: a slow start (a loaded machine)
-    time.sleep(4)
+from litespark_megatron.platform import helper_processes
+
+if __name__ == "__mp_main__":  # the spawned helper importing this file (spawn gives it the trainer's argv)
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(4)  # a slow start (a loaded machine): its trainer dies meanwhile
+
+
+def helper():  # what megatron-core's checkpoint helpers run first under the patch, then their loop
+    helper_processes.die_with_parent()
+    time.sleep(120)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "reaper":  # a container's init or a job's subreaper: where a dead trainer's orphans go
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
         subprocess.run([sys.executable, __file__, "trainer", sys.argv[2]])
-        helper = int(open(sys.argv[2]).read())
-        time.sleep(8)  # its start is over: die_with_parent has run in it
-        done, _ = os.waitpid(helper, os.WNOHANG)
+        time.sleep(0.5)  # the pid written whole
+        pid = int(open(sys.argv[2]).read())
+        deadline = time.time() + 60  # its start (4 s, more on a loaded machine), then die_with_parent
+        while not (done := os.waitpid(pid, os.WNOHANG)[0]) and time.time() < deadline:
+            time.sleep(0.2)
         print("HELPER", "ended" if done else "running")
         if not done:
-            os.kill(helper, 9)
+            os.kill(pid, 9)
     else:
-        from litespark_megatron import platform
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-        platform.helper_processes_die_with_the_trainer()
-
-        def killed():  # while the helper is still starting
-            time.sleep(1.5)
-            children = [c for t in os.listdir("/proc/self/task")
-                        for c in open(f"/proc/self/task/{t}/children").read().split()]
-            open(sys.argv[2], "w").write(children[0])
+        def killed():  # once the helper runs this file's first lines: it is still starting
+            while not os.path.exists(sys.argv[2]):
+                time.sleep(0.05)
             os.kill(os.getpid(), 9)
 
         threading.Thread(target=killed).start()
-        filesystem_async.get_write_results_queue()  # a Manager's server process, spawned
+        with helper_processes._helpers_born_ignoring_stop_signals():  # how the patch spawns them
+            multiprocessing.get_context("spawn").Process(target=helper).start()
+        time.sleep(60)
 """
 
 
 def test_a_helper_whose_trainer_died_before_it_started_ends(tmp_path):
-    """The trainer killed while its spawned helper is still importing: by the time die_with_parent runs in the helper,
-    the helper's parent is whoever adopts orphans (a subreaper here; PID 1 only where nothing else is), not the
-    trainer. It must still see that its trainer is gone and end, not tie its life to the adopter."""
+    """The trainer killed while a helper it spawned (as the patch spawns megatron-core's) is still importing: when
+    die_with_parent runs in the helper, its parent is whoever adopts orphans (a subreaper here, as a container's
+    init or a job step's can be; PID 1 only where nothing else is), not the trainer. It must see that its trainer is
+    gone and end, not tie its life to the adopter (seen on a loaded 16-core machine: two helpers outlived their
+    killed trainer)."""
     script = tmp_path / "reaper.py"
     script.write_text(HELPER_ORPHANED_BEFORE_IT_STARTED)
     proc = run([sys.executable, str(script), "reaper", str(tmp_path / "helper")], env=child_env(), timeout=120)
