@@ -93,7 +93,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                           "apply to it")
     if norm not in ("default", "litespark"):
         raise ConfigError(f"unknown Litespark norm '{norm}'; choose 'default' or 'litespark'")
-    if norm == "litespark" and multi_latent_attention:
+    own_norm = norm == "litespark"  # (`norm` below is the norm module of the backend)
+    if own_norm and multi_latent_attention:
         raise ConfigError("Litespark's RMSNorm with multi-latent attention: MLA's latent norms stay inside TE's up "
                           "projections")
     attend = LitesparkCoreAttention  # both backends, context parallelism included
@@ -136,7 +137,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         keys_map = _keys_map(multi_latent_attention, bool(num_experts), qk_layernorm, nsa is not None)
     else:
         raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
-    if norm == "litespark":
+    if own_norm:
         norm = fused_norm = ModuleSpec(module=LitesparkRMSNorm, params={"kernel": "litespark"})
         if backend == "te":  # the norms leave TE's norm+GEMM modules: plain TE linears after them
             qkv = fc1 = column

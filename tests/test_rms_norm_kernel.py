@@ -120,6 +120,33 @@ def test_a_gpu_without_triton_is_refused(monkeypatch):
     check(TINY + ["--litespark-rmsnorm", "--spec", "litespark"])  # the CPU: the reference, Triton or not
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_every_norm_of_the_local_spec_runs_the_kernel(moe):
+    """Every norm of the layer (and the block's final norm) is a LitesparkRMSNorm with Litespark's kernel; the default
+    spec keeps the compiled one. (A spec whose norm variable was reused for the module class once left all but the
+    final norm on the default.)"""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from litespark_megatron.layers import LitesparkRMSNorm
+    from litespark_megatron.specs import get_litespark_layer_spec, litespark_layer_spec
+
+    spec = get_litespark_layer_spec("local", num_experts=4 if moe else None, norm="litespark").submodules
+    for norm in (spec.input_layernorm, spec.pre_mlp_layernorm):
+        assert norm.module is LitesparkRMSNorm and norm.params == {"kernel": "litespark"}, norm
+    assert get_litespark_layer_spec("local").submodules.input_layernorm is LitesparkRMSNorm
+    config = SimpleNamespace(transformer_impl="local", multi_latent_attention=False, moe_grouped_gemm=False,
+                             qk_layernorm=False, num_moe_experts=None, moe_layer_freq=1, num_layers=2,
+                             pipeline_model_parallel_layout=None)
+    with mock.patch("megatron.core.transformer.transformer_block.get_num_layers_to_build", return_value=2), \
+            mock.patch("megatron.core.transformer.transformer_layer.get_transformer_layer_offset", return_value=0), \
+            mock.patch("megatron.core.models.gpt.experimental_attention_variant_module_specs.get_moe_layer_pattern",
+                       return_value=[0, 0]):
+        block = litespark_layer_spec(config, norm="litespark")
+    assert block.layer_norm.module is LitesparkRMSNorm and block.layer_norm.params == {"kernel": "litespark"}
+    assert all(layer.submodules.input_layernorm.params == {"kernel": "litespark"} for layer in block.layer_specs)
+
+
 @pytest.mark.gpu
 def test_the_te_spec_puts_the_norms_before_plain_linears_under_the_fused_keys():
     """--litespark-rmsnorm on the te backend: LitesparkRMSNorm modules run Litespark's kernel, the QKV and fc1 GEMMs
