@@ -60,9 +60,11 @@ def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """MOCK's run of 6 steps, saved at its end."""
+    """MOCK's run of 6 steps, saved at its end; its TensorBoard events (with the tags that need flags) are in
+    tb/ beside the checkpoint directory."""
     save = tmp_path_factory.mktemp("saved") / "run"
-    ok(train(1, *MOCK, "--save", save))
+    ok(train(1, *MOCK, "--save", save, "--tensorboard-dir", save.parent / "tb", "--log-throughput",
+             "--log-timers-to-tensorboard", "--peak-tflops", "1"))
     return save
 
 
@@ -259,12 +261,10 @@ def test_nan_loss_stops_the_run(tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in resumed.values()), resumed
 
 
-def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(tmp_path):
+def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(saved_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb = tmp_path / "tb"
-    ok(train(1, *MOCK, "--tensorboard-dir", tb, "--log-throughput", "--log-timers-to-tensorboard",
-             "--peak-tflops", "1"))
+    tb = saved_run.parent / "tb"
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
