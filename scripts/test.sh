@@ -7,8 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 # Two or more worker processes (pytest-xdist, up to 4): most of a test's time is processes starting (imports), which
 # another core overlaps (on 2 cores: 25-26 minutes in 2 workers). LITESPARK_TEST_WORKERS=0: one process.
-# --dist loadgroup, in the suite's own order: the tests that read one shared training run stay on one worker, and
-# the longest go first (tests/conftest.py says why).
+# --dist loadgroup: tests handed out one at a time in the suite's own order, the longest first (tests/conftest.py).
 WORKERS="${LITESPARK_TEST_WORKERS:-$(python -c 'import os; print(max(2, min(len(os.sched_getaffinity(0)), 4)))')}"
 DIST=(--dist loadgroup --no-loadscope-reorder)
 python -m pytest -q -p no:cacheprovider -n "$WORKERS" "${DIST[@]}" tests "$@"

@@ -38,23 +38,21 @@ if not GPU_PASS:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))  # this process too
 
 
-# How two workers share the suite (scripts/test.sh: pytest-xdist's --dist loadgroup, in this order). Most of the
-# time is a few long tests and the training runs that module- or session-scoped fixtures make once for several
-# tests; split between workers, each worker would make such a run again. So the tests that read one of these
-# fixtures form one group (one worker, the run made once), and the longest units go first (measured with
-# --durations; a name that no longer matches only loses its place): the run ends on short tests, not on one long
-# test alone while the other worker idles.
+# How two workers share the suite (scripts/test.sh: pytest-xdist's --dist loadgroup, without groups: each test is
+# its own unit, handed out in this order whenever a worker has run down its queue). Most of the time is a few long
+# tests: they go first (measured with --durations; a name that no longer matches only loses its place), so the run
+# ends on short tests, not on one long test alone while the other worker idles.
 LONGEST_FIRST = (
-    "test_architectures.py::test_layout_matches_single_process",  # with the other tests of its `references`
+    "test_architectures.py::test_layout_matches_single_process",
     "test_quickstart.py",
     "test_parallel_parity.py",
     "test_trainer.py::test_resume_is_bit_exact_with_the_distributed_optimizer",
     "test_trainer.py::test_checkpoint_reshards_tp2_to_tp1_and_pp2",
     "test_hf_parallel.py::test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains",
-    "test_hf.py::test_import_loads_in_tp2pp2_with_transformers_logits",  # with the other tests of `untied`
-    "test_efficiency.py::test_end_to_end_writes_table_json_csv_plots_and_tensorboard",  # and `finished`'s
-    "test_cross_entropy_kernel.py::test_reference_is_the_cross_entropy_of_the_whole_vocabulary",  # `interpreted`
-    "test_launcher.py::test_two_nodes_on_localhost_match_one_node",  # with `one_node_losses`'s
+    "test_hf.py::test_import_loads_in_tp2pp2_with_transformers_logits",
+    "test_efficiency.py::test_end_to_end_writes_table_json_csv_plots_and_tensorboard",
+    "test_cross_entropy_kernel.py::test_reference_is_the_cross_entropy_of_the_whole_vocabulary",
+    "test_launcher.py::test_two_nodes_on_localhost_match_one_node",
     "test_launcher.py::test_ctrl_c_saves_on_every_rank_and_the_launch_exits_0",
     "test_checkpoint_dir.py::test_killed_save_is_removed_and_the_run_resumes_from_the_one_before",
     "test_checkpoints.py::test_litespark_checkpoint_resumes_in_megatron_lm_and_back",
@@ -74,36 +72,16 @@ LONGEST_FIRST = (
 )
 
 
-def _shared_fixtures(item) -> list:
-    """The module- or session-scoped fixtures of the suite's own (not pytest's) that this test reads."""
-    names = []
-    for argname, fixturedefs in item._fixtureinfo.name2fixturedefs.items():
-        fixture = fixturedefs[-1]
-        module = getattr(fixture.func, "__module__", "")
-        if fixture.scope in ("module", "session") and (module == "conftest" or module.startswith("test_")):
-            names.append(f"{module}.{argname}")
-    return names
-
-
 def _place(item) -> int:
     name = f"{item.path.name}::{item.originalname}"
     return next((i for i, prefix in enumerate(LONGEST_FIRST) if prefix in (name, item.path.name)), len(LONGEST_FIRST))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     if GPU_PASS:
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpu") is None])
         items[:] = [i for i in items if i.get_closest_marker("gpu") is not None]
-    for item in items:
-        for name in _shared_fixtures(item):
-            item.add_marker(pytest.mark.xdist_group(name))
-    # A group goes where its first test stands: its tests move up to it, the rest keep their order.
-    first = {}
-    for index, item in enumerate(sorted(items, key=_place)):
-        for name in _shared_fixtures(item) or [item.nodeid]:
-            first.setdefault(name, index)
-    items.sort(key=lambda item: min(first[name] for name in _shared_fixtures(item) or [item.nodeid]))
+    items.sort(key=_place)  # stable: the rest keep their order
 
 
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral
