@@ -38,10 +38,50 @@ if not GPU_PASS:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))  # this process too
 
 
+# How two workers share the suite (scripts/test.sh: pytest-xdist's --dist loadgroup, without groups: each test is
+# its own unit, handed out in this order whenever a worker has run down its queue). Most of the time is a few long
+# tests: they go first (measured with --durations; a name that no longer matches only loses its place), so the run
+# ends on short tests, not on one long test alone while the other worker idles.
+LONGEST_FIRST = (
+    "test_architectures.py::test_layout_matches_single_process",
+    "test_quickstart.py",
+    "test_parallel_parity.py",
+    "test_trainer.py::test_resume_is_bit_exact_with_the_distributed_optimizer",
+    "test_trainer.py::test_checkpoint_reshards_tp2_to_tp1_and_pp2",
+    "test_hf_parallel.py::test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains",
+    "test_hf.py::test_import_loads_in_tp2pp2_with_transformers_logits",
+    "test_efficiency.py::test_end_to_end_writes_table_json_csv_plots_and_tensorboard",
+    "test_cross_entropy_kernel.py::test_reference_is_the_cross_entropy_of_the_whole_vocabulary",
+    "test_launcher.py::test_two_nodes_on_localhost_match_one_node",
+    "test_launcher.py::test_ctrl_c_saves_on_every_rank_and_the_launch_exits_0",
+    "test_checkpoint_dir.py::test_killed_save_is_removed_and_the_run_resumes_from_the_one_before",
+    "test_checkpoints.py::test_litespark_checkpoint_resumes_in_megatron_lm_and_back",
+    "test_checkpoint_dir.py::test_a_run_that_does_not_load_its_save_directory_leaves_the_checkpoints_there",
+    "test_efficiency.py::test_interrupted_suite_stops_its_run_and_resumes",
+    "test_cross_entropy_kernel.py::test_the_flag_trains_as_megatron_cores_loss",
+    "test_hf.py",
+    "test_layout_sweep.py",
+    "test_trainer.py::test_stop_signal_saves_and_exits_0_and_resume_continues_bit_exactly",
+    "test_benchmark.py::test_cpu_end_to_end_with_a_failing_system",
+    "test_telemetry.py::test_a_restart_after_a_kill_leaves_one_record_per_step",
+    "test_launcher.py",
+    "test_loss_equivalence.py",
+    "test_trainer.py",
+    "test_checkpoint_dir.py",
+    "test_checkpoints.py",
+)
+
+
+def _place(item) -> int:
+    name = f"{item.path.name}::{item.originalname}"
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if prefix in (name, item.path.name)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_PASS:
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpu") is None])
         items[:] = [i for i in items if i.get_closest_marker("gpu") is not None]
+    items.sort(key=_place)  # stable: the rest keep their order
 
 
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral

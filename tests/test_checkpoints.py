@@ -4,6 +4,9 @@ refused for an exact resume, with one line); Megatron-LM's own Llama-3 8B exampl
 import json
 import re
 import sys
+
+import pytest
+
 from conftest import TESTS, child_env, free_port, losses, ok, records, run, train
 
 # The tiny Llama as Megatron-LM flags, and what a CPU needs (litespark-train adds those two groups itself).
@@ -34,14 +37,21 @@ def stock(*flags):
     return proc, dict(found)
 
 
-def test_litespark_checkpoint_resumes_in_megatron_lm_and_back(tmp_path):
+@pytest.fixture(scope="module")
+def litespark_run(tmp_path_factory):
+    """litespark-train's 4 steps of the tiny Llama, saved at 2 and 4: its checkpoint directory and losses."""
+    root = tmp_path_factory.mktemp("litespark")
+    lit, lit_metrics = root / "lit", root / "lit.jsonl"
+    ok(train(1, *LLAMA, *RUN, "--save", lit, "--save-interval", "2", "--metrics-file", lit_metrics))
+    return lit, losses(lit_metrics)
+
+
+def test_litespark_checkpoint_resumes_in_megatron_lm_and_back(litespark_run, tmp_path):
     """Saved by litespark-train at step 2, resumed by the plain script (and the other way round): steps 3 and 4
     give what the saving run itself gave after step 2 (the Litespark layer and megatron-core's compute the same
     function, in other kernels: 1e-5). Each saving run trains 4 steps straight and saves at 2 and 4; the resuming
     run loads step 2 with Megatron-LM's --ckpt-step."""
-    lit, lit_metrics = tmp_path / "lit", tmp_path / "lit.jsonl"
-    ok(train(1, *LLAMA, *RUN, "--save", lit, "--save-interval", "2", "--metrics-file", lit_metrics))
-    reference = losses(lit_metrics)
+    lit, reference = litespark_run
     proc, resumed = stock("--load", lit, "--ckpt-step", "2", "--save", tmp_path / "lit-then-stock")
     assert "successfully loaded checkpoint" in proc.stdout and sorted(resumed) == [3, 4]
     for step in (3, 4):
@@ -59,12 +69,11 @@ def test_litespark_checkpoint_resumes_in_megatron_lm_and_back(tmp_path):
         assert abs(again[step] - stock_straight[step]) < 1e-5, (step, again, stock_straight)
 
 
-def test_use_checkpoint_args_builds_and_names_the_checkpoints_spec(tmp_path):
+def test_use_checkpoint_args_builds_and_names_the_checkpoints_spec(litespark_run, tmp_path):
     """Megatron-LM's --use-checkpoint-args takes the checkpoint's --spec over the command line's: a Litespark
     checkpoint resumed with --spec stock-local trains the Litespark layer, and the run record names that layer (it
     named stock-local before, the layer it did not build)."""
-    ck, metrics = tmp_path / "ck", tmp_path / "resumed.jsonl"
-    ok(train(1, *LLAMA, *RUN, "--save", ck, "--save-interval", "2"))
+    (ck, _), metrics = litespark_run, tmp_path / "resumed.jsonl"
     ok(train(1, *RUN, "--vocab-size", "256", "--use-checkpoint-args", "--load", ck, "--ckpt-step", "2", "--spec",
              "stock-local", "--metrics-file", metrics))
     (run_record,) = [r for r in records(metrics, "run") if "spec" in r]  # the other is the end's summary

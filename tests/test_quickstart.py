@@ -12,17 +12,19 @@ from conftest import ROOT, child_env, run
 def test_quickstart_short(tmp_path):
     save = tmp_path / "run"
     env = child_env(OMP_NUM_THREADS=2)
+    # 40 steps (the config's 30 of warm-up and 10 at the peak learning rate) are enough for what is asserted below:
+    # the loss falls by more than 1 and the validation loss ends below the data's unigram entropy.
     proc = run([sys.executable, "-m", "litespark_megatron", "--config", ROOT / "examples" / "quickstart.yaml",
-                "--train-iters", "60", "--log-interval", "10", "--eval-interval", "30", "--save-interval", "30",
+                "--train-iters", "40", "--log-interval", "10", "--eval-interval", "20", "--save-interval", "20",
                 "--save", save, "--tensorboard-dir", save / "tb"], timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # Megatron-LM's own progress line: after the first step, then once per log interval.
-    assert [int(m) for m in re.findall(r"iteration +(\d+)/ +60 \|", out)] == [1, 10, 20, 30, 40, 50, 60]
+    assert [int(m) for m in re.findall(r"iteration +(\d+)/ +40 \|", out)] == [1, 10, 20, 30, 40]
     assert re.search(r"\| lm loss: [0-9.E+-]+ \|", out) and "throughput per GPU (TFLOP/s/GPU)" in out
     assert re.search(r"^what ran: attention .*\| spec litespark", out, re.M), out[:3000]
     summary = json.loads(out.split("summary: ", 1)[1].splitlines()[0])
-    assert summary["iterations"] == 60 and summary["energy_kwh"] is None  # CPU: not measured, never invented
+    assert summary["iterations"] == 40 and summary["energy_kwh"] is None  # CPU: not measured, never invented
     # Loss falls, and the model beats what any context-free model can do on this data.
     from litespark_megatron.data import cache_root
     from litespark_megatron.corpus import prepare_stdlib_corpus
@@ -30,17 +32,17 @@ def test_quickstart_short(tmp_path):
     entropy = prepare_stdlib_corpus(os.path.join(cache_root(), "stdlib-corpus")).unigram_entropy_nats  # cached
     records = [json.loads(line) for line in open(save / "metrics.jsonl")]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [10, 20, 30, 40, 50, 60]
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
     assert summary["val_loss"] < entropy, (summary, entropy)
     for key in ("lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "tflops_per_gpu_causal", "mfu",
                 "host_rss_gb", "gpu_power_w", "joules_per_token", "skipped_in_interval", "consumed_samples"):
         assert key in train[-1], key
     assert train[-1]["mfu"] is None and train[-1]["gpu_power_w"] is None
-    assert train[-1]["consumed_samples"] == 60 * 32
-    # Evaluation at 30 and 60 in the loop, and Megatron-LM's final one after training.
-    assert [r["step"] for r in records if r["kind"] == "val"] == [30, 60, 60]
-    assert [r["step"] for r in records if r["kind"] == "save"] == [30, 60]
+    assert train[-1]["consumed_samples"] == 40 * 32
+    # Evaluation at 20 and 40 in the loop, and Megatron-LM's final one after training.
+    assert [r["step"] for r in records if r["kind"] == "val"] == [20, 40, 40]
+    assert [r["step"] for r in records if r["kind"] == "save"] == [20, 40]
     (health,) = [r for r in records if r["kind"] == "health"]
     assert health["degraded"] == [], health
     # TensorBoard: Megatron-LM's tags and Litespark's beside them.
@@ -54,10 +56,10 @@ def test_quickstart_short(tmp_path):
                 "litespark/tokens-per-sec", "litespark/tflops-per-gpu", "litespark/tflops-per-gpu-causal"):
         assert tag in tags, (tag, sorted(tags))
     assert "litespark/mfu" not in tags and "litespark/gpu-power-w" not in tags  # not measured: no point at all
-    assert [e.step for e in acc.Scalars("litespark/tokens-per-sec")] == [10, 20, 30, 40, 50, 60]
+    assert [e.step for e in acc.Scalars("litespark/tokens-per-sec")] == [10, 20, 30, 40]
     # Megatron-LM checkpoints, and the sample.
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
-    for step in ("0000030", "0000060"):  # torch_dist: Megatron-LM's metadata and one shard per rank
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    for step in ("0000020", "0000040"):  # torch_dist: Megatron-LM's metadata and one shard per rank
         files = {p.name for p in (save / f"iter_{step}").iterdir()}
         assert {"metadata.json", "__0_0.distcp"} <= files, files
     assert re.search(r"^sample \(\d+ tokens after 'def '\):", out, re.M), out[-2000:]

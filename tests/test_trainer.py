@@ -60,9 +60,11 @@ def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """MOCK's run of 6 steps, saved at its end."""
+    """MOCK's run of 6 steps, saved at its end; its TensorBoard events (with the tags that need flags) are in
+    tb/ beside the checkpoint directory."""
     save = tmp_path_factory.mktemp("saved") / "run"
-    ok(train(1, *MOCK, "--save", save))
+    ok(train(1, *MOCK, "--save", save, "--tensorboard-dir", save.parent / "tb", "--log-throughput",
+             "--log-timers-to-tensorboard", "--peak-tflops", "1"))
     return save
 
 
@@ -158,30 +160,31 @@ CTRL_C_LINE = ("litespark-train: Ctrl-C (SIGINT): stopping as on SIGTERM (--exit
                "the next step, then exit")
 
 
-@pytest.mark.parametrize("saves, then", [(True, ": a checkpoint at the next step, then exit"),
-                                         (False, " at the next step, then exit")], ids=["save", "no-save"])
-def test_ctrl_c_says_what_it_is_before_megatron_training_logs_its_exit_signal(py, saves, then):
+def test_ctrl_c_says_what_it_is_before_megatron_training_logs_its_exit_signal(py):
     """megatron.training's exit line names SIGTERM whatever stopped the run; Ctrl-C, re-sent as the exit signal, says
-    first what it was, once: in the trainer, not in its forked data-loader workers (which inherit the handler)."""
-    proc = py("-c", f"""if True:
+    first what it was, once: in the trainer, not in its forked data-loader workers (which inherit the handler). With
+    a --save and without: both in one process (the handler is installed again for each)."""
+    proc = py("-c", """if True:
         import os, signal, time
         from litespark_megatron import pretrain
-        got = []
-        signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
-        pretrain._ctrl_c_like(signal.SIGUSR1, saves={saves})
-        worker = os.fork()
-        if worker == 0:
+        for saves in (True, False):
+            got = []
+            signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+            pretrain._ctrl_c_like(signal.SIGUSR1, saves=saves)
+            worker = os.fork()
+            if worker == 0:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+                os._exit(0 if got == [signal.SIGUSR1] else 3)
+            worker_stopped = os.waitpid(worker, 0)[1] == 0
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
-            os._exit(0 if got == [signal.SIGUSR1] else 3)
-        worker_stopped = os.waitpid(worker, 0)[1] == 0
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.5)
-        print(worker_stopped, got == [signal.SIGUSR1], flush=True)
+            print(worker_stopped, got == [signal.SIGUSR1], flush=True)
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == [
-        f"litespark-train: Ctrl-C (SIGINT): stopping as on SIGUSR1 (--exit-signal-handler){then}", "True True"]
+    line = "litespark-train: Ctrl-C (SIGINT): stopping as on SIGUSR1 (--exit-signal-handler)"
+    assert proc.stdout.splitlines() == [f"{line}: a checkpoint at the next step, then exit", "True True",
+                                        f"{line} at the next step, then exit", "True True"]
 
 
 def test_a_schedulers_sigterm_to_every_process_saves_and_exits_0(tmp_path):
@@ -259,12 +262,10 @@ def test_nan_loss_stops_the_run(tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in resumed.values()), resumed
 
 
-def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(tmp_path):
+def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(saved_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb = tmp_path / "tb"
-    ok(train(1, *MOCK, "--tensorboard-dir", tb, "--log-throughput", "--log-timers-to-tensorboard",
-             "--peak-tflops", "1"))
+    tb = saved_run.parent / "tb"
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
