@@ -76,7 +76,7 @@ def test_hf_liger_trains_as_hf_eager_does(tmp_path):
     assert liger["health"]["degraded"] == []
     assert any(n.startswith("Liger-Kernel ") for n in liger["notes"])
     # The same weights and tokens through two bf16 implementations of one function: they differ by rounding only, a
-    # quarter of bf16's relative step (2^-8) at most (passed on an H100; a peer with another function, e.g. another
+    # half of bf16's relative step (2^-8) at most (passed on an H100; a peer with another function, e.g. another
     # RoPE layout, is off by far more)
     assert liger["loss_first"] == pytest.approx(eager["loss_first"], rel=2e-3)
     md = (out / "benchmark.md").read_text()
