@@ -296,8 +296,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 def test_parser_defaults_match_the_documented_run():
     opts = benchmark.build_parser().parse_args([])
     assert (opts.model, opts.seq_length, opts.warmup, opts.steps, opts.timeout) == ("llama-3b", 4096, 3, 10, 600)
-    assert list(benchmark.parse_systems(opts.systems)) == ["hf-eager", "hf-liger", "litespark-bf16", "litespark-fp8",
-                                                           "stock-te-bf16", "stock-te-fp8"]
+    assert list(benchmark.parse_systems(opts.systems)) == ["hf-eager", "hf-liger", "litespark-bf16",
+                                                           "litespark-fp8", "stock-te-bf16", "stock-te-fp8"]
     assert benchmark.micro_batch_plan(opts) == (2, [2])
     assert benchmark.micro_batch_plan(SimpleNamespace(best_micro_batch=True, micro_batch_size=None,
                                                       global_batch_size=12)) == (12, [1, 2, 4])
