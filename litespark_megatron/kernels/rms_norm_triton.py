@@ -23,7 +23,7 @@ def _forward(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, columns: tl.constexpr, BLOCK: t
     x = tl.load(x_ptr + row * columns + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / columns + eps)
     normed = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)  # as the reference
     tl.store(y_ptr + row * columns + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
@@ -38,7 +38,7 @@ def _backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, rows, colu
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_row = cols < columns
-    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(dx_ptr.dtype.element_ty).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     first = program.to(tl.int64) * ROWS_PER_PROGRAM
     for i in range(0, ROWS_PER_PROGRAM):
