@@ -26,11 +26,12 @@ torch (fp32 statistics, autograd's gradient); the Triton path is held to it in t
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from . import triton_available
 
 
 def _refuse_label_smoothing(label_smoothing: float) -> None:
@@ -95,15 +96,6 @@ def vocab_parallel_cross_entropy_reference(logits: torch.Tensor, target: torch.T
 
 
 # --------------------------------------------------------------------------------------------- the Triton path
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        from . import cross_entropy_triton  # noqa: F401
-    except ImportError:  # a torch without Triton (CPU-only wheels)
-        return False
-    return True
-
-
 class _TritonCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, block):

@@ -17,9 +17,9 @@ CUDA and the reference elsewhere; `rms_norm_path` says which (the run's "what ra
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from . import triton_available
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,15 +27,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight.to(x.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        from . import rms_norm_triton  # noqa: F401
-    except ImportError:  # a torch without Triton (CPU-only wheels)
-        return False
-    return True
 
 
 def _programs(device: torch.device) -> int:
