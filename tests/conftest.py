@@ -131,14 +131,131 @@ def torchrun(nproc: int, script, *script_args, timeout=300, env=None) -> subproc
     return run(cmd, timeout=timeout, env=env)
 
 
-def train(nproc: int, *flags, timeout=300, env=None) -> subprocess.CompletedProcess:
-    """litespark-train in fresh processes: `python -m litespark_megatron` for one, torchrun for more."""
+def train(nproc: int, *flags, timeout=300, env=None, launcher="fork") -> subprocess.CompletedProcess:
+    """litespark-train in fresh processes: as `python -m litespark_megatron` for one, as torchrun's ranks for more.
+    launcher="fork": forked from the worker's zygote (below) where the environment allows, which is what a real
+    process would run without its imports; "process": a real `python -m` (and torchrun), for tests of what happens
+    at a process's start or of torchrun itself."""
+    env = env or child_env(MASTER_PORT=free_port())
+    if launcher == "fork" and zygote.can_run(env):
+        return zygote.launch(nproc, "litespark_megatron", [str(f) for f in flags], env, timeout)
     if nproc == 1:
         cmd = [sys.executable, "-m", "litespark_megatron", *flags]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--master-addr",
                "127.0.0.1", "--master-port", free_port(), "-m", "litespark_megatron", *flags]
-    return run(cmd, timeout=timeout, env=env or child_env(MASTER_PORT=free_port()))
+    return run(cmd, timeout=timeout, env=env)
+
+
+class Zygote:
+    """tests/zygote.py, started once per test worker on first use: a process that imported torch and megatron-core
+    and forks a run per request (a tiny training run's time is mostly those imports). It serves only runs whose
+    environment equals its own except for what is read after the imports (ranks, ports, the project's run-time
+    variables); any other gets a real process. LITESPARK_TEST_FORK=0: never."""
+    RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
+    RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_CPU_SHIMS", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
+
+    def __init__(self):
+        self.proc = None
+        self.env = None
+        # Not in the GPU pass: a fork must not inherit CUDA state its parent's imports might have made.
+        self.enabled = os.environ.get("LITESPARK_TEST_FORK", "1") != "0" and not GPU_PASS
+
+    def _start_env(self, env: dict) -> dict:
+        return {k: v for k, v in env.items() if k not in self.RUN_TIME and not k.startswith(self.RUN_TIME_PREFIX)}
+
+    def can_run(self, env: dict) -> bool:
+        return self.enabled and self._start_env(env) == self._start_env(child_env())
+
+    def _server(self):
+        if self.proc is None or self.proc.poll() is not None:
+            import tempfile
+            self.log = Path(tempfile.gettempdir()) / f"litespark-zygote-{os.getpid()}.log"
+            with open(self.log, "w") as log:
+                self.proc = subprocess.Popen([sys.executable, str(TESTS / "zygote.py")], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=log, text=True, env=child_env(),
+                                             cwd=ROOT)
+        return self.proc
+
+    def _fork(self, env: dict, argv: list, folder: Path, name: str, target: str, is_module: bool) -> Path:
+        request = {"target": target, "is_module": is_module, "argv": argv, "env": env, "cwd": str(ROOT),
+                   "stdout": str(folder / f"{name}.out"), "stderr": str(folder / f"{name}.err"),
+                   "status": str(folder / f"{name}.status")}
+        server = self._server()
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        if not server.stdout.readline():
+            raise RuntimeError(f"the test zygote ended (its log: {self.log})")
+        return folder / name
+
+    @staticmethod
+    def _status(run: Path):
+        path = run.with_name(run.name + ".status")
+        return int(path.read_text()) if path.exists() else None
+
+    @staticmethod
+    def _signal(run: Path, sig) -> None:
+        path = run.with_name(run.name + ".status.pid")
+        try:
+            os.kill(int(path.read_text()), sig)
+        except (OSError, ValueError):  # not started yet, or already ended
+            pass
+
+    def launch(self, nproc: int, target: str, argv: list, env: dict, timeout: float,
+               is_module: bool = True) -> subprocess.CompletedProcess:
+        """Run `python -m target argv` (nproc ranks, as torchrun starts them); what subprocess.run would return
+        (ranks' outputs one after the other; torchrun's exit status: 1 if any rank failed)."""
+        import shutil
+        import tempfile
+        import time
+        folder = Path(tempfile.mkdtemp(prefix="litespark-run-"))
+        try:
+            ranks = []
+            for rank in range(nproc):
+                rank_env = dict(env)
+                if nproc > 1:
+                    rank_env.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc,
+                                    GROUP_RANK=0, ROLE_RANK=rank, ROLE_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
+                                    MASTER_PORT=env.get("MASTER_PORT") or free_port())
+                ranks.append(self._fork({k: str(v) for k, v in rank_env.items()}, argv, folder, f"rank{rank}",
+                                        target, is_module))
+            deadline, failed_at, sent = time.monotonic() + timeout, None, set()
+            stops = ((2, signal.SIGTERM), (12, signal.SIGKILL))
+            while True:
+                statuses = [self._status(r) for r in ranks]
+                if all(s is not None for s in statuses):
+                    break
+                now = time.monotonic()
+                if failed_at is None and any(s not in (None, 0) for s in statuses):
+                    failed_at = now  # as torchrun: the other ranks are stopped when one fails
+                for after, sig in stops:  # once each: torchrun's SIGTERM to the others, then SIGKILL
+                    if failed_at is not None and now >= failed_at + after and sig not in sent:
+                        sent.add(sig)
+                        for r, s in zip(ranks, statuses):
+                            if s is None:
+                                self._signal(r, sig)
+                if now > deadline:
+                    for r in ranks:
+                        self._signal(r, signal.SIGKILL)
+                    while any(self._status(r) is None for r in ranks):
+                        time.sleep(0.05)
+                    out, err = self._outputs(ranks)
+                    raise subprocess.TimeoutExpired([target, *argv], timeout, out, err)
+                time.sleep(0.05)
+            out, err = self._outputs(ranks)
+            code = statuses[0] if nproc == 1 else (0 if all(s == 0 for s in statuses) else 1)
+            return subprocess.CompletedProcess([sys.executable, "-m", target, *argv], code, out, err)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @staticmethod
+    def _outputs(ranks):
+        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
+        return ("".join(read(r.with_name(r.name + ".out")) for r in ranks),
+                "".join(read(r.with_name(r.name + ".err")) for r in ranks))
+
+
+zygote = Zygote()
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
