@@ -153,7 +153,9 @@ class Zygote:
     environment equals its own except for what is read after the imports (ranks, ports, the project's run-time
     variables); any other gets a real process. LITESPARK_TEST_FORK=0: never."""
     RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
-    RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_CPU_SHIMS", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
+    # (not LITESPARK_CPU_SHIMS: a run without a shim fails in megatron-core code whose state the zygote's imports
+    # already set up)
+    RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
 
     def __init__(self):
         self.proc = None

@@ -31,4 +31,5 @@ def test_a_forked_run_fails_as_a_process_fails(nproc, status):
 def test_an_environment_read_at_import_gets_a_real_process():
     assert not zygote.can_run(child_env(MASTER_PORT=free_port(), TRITON_INTERPRET=1))
     assert not zygote.can_run(child_env(PYTHONPATH="elsewhere"))
-    assert zygote.can_run(child_env(MASTER_PORT=free_port(), RANK=1, LITESPARK_CPU_SHIMS="none"))
+    assert not zygote.can_run(child_env(LITESPARK_CPU_SHIMS="none"))
+    assert zygote.can_run(child_env(MASTER_PORT=free_port(), RANK=1, LITESPARK_CACHE="elsewhere"))
