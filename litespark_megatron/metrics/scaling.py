@@ -349,6 +349,35 @@ def _layer_norm_params(shape: ModelShape) -> int:
     return 2 * shape.hidden_size + extra
 
 
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> List[List[int]]:
+    """The layers each pipeline stage holds: model chunks of num_layers / (pp x virtual) layers, dealt round-robin
+    to the stages (megatron-core's interleaved order; one chunk per stage without virtual stages)."""
+    chunk = num_layers // (pp * virtual)
+    return [[i for i in range(num_layers) if (i // chunk) % pp == r] for r in range(pp)]
+
+
+def stage_parameters(shape: ModelShape, tp: int, pp: int, virtual: int = 1) -> List[Tuple[float, float]]:
+    """(parameters, of which the layers' linear weights) one TP rank of each pipeline stage holds. Everything in a
+    layer but its norms is split by TP; the first stage holds the embedding, the last the final norm and the output
+    layer (a copy of the embedding when tied, under PP)."""
+    layer_params = param_count(shape).transformer_layers // shape.num_layers
+    norm_params = _layer_norm_params(shape)
+    emb_params = shape.vocab_size * shape.hidden_size
+    tied = not shape.untie_embeddings_and_output_weights
+    out = []
+    for r, layers in enumerate(stage_layers(shape.num_layers, pp, virtual)):
+        linear = len(layers) * (layer_params - norm_params) / tp
+        params = linear + len(layers) * norm_params
+        if r == 0:
+            params += emb_params / tp
+        if r == pp - 1:
+            params += shape.hidden_size  # final norm
+            if not tied or pp > 1:
+                params += emb_params / tp  # the output layer (a copy of the embedding when tied)
+        out.append((params, linear))
+    return out
+
+
 def check_layout(shape: ModelShape, layout: Layout, world_size: int, global_batch_size: int,
                  micro_batch_size: int) -> Tuple[int, int, int]:
     """(data-parallel size, micro-batches per step, virtual stages) or ScalingError with what does not fit."""
@@ -464,11 +493,8 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     layer_fwd = [_layer_forward_per_sequence(shape, i, "half") for i in range(L)]
     logits_fwd = 2 * s * h * shape.vocab_size
     total_fwd = sum(f.total for f in layer_fwd) + logits_fwd
-    chunk = L // (pp * v)
-    stage_layers = [[i for i in range(L) if (i // chunk) % pp == r] for r in range(pp)]
-    pc = param_count(shape)
-    layer_params = pc.transformer_layers // L
-    norm_params = _layer_norm_params(shape)
+    layers_of = stage_layers(L, pp, v)
+    params_of = [params for params, _ in stage_parameters(shape, tp, pp, v)]
     emb_params = shape.vocab_size * h
     tied = not shape.untie_embeddings_and_output_weights
 
@@ -494,18 +520,12 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
 
     stages = []
     for r in range(pp):
-        fwd = sum(layer_fwd[i].total for i in stage_layers[r]) + (logits_fwd if r == pp - 1 else 0)
+        fwd = sum(layer_fwd[i].total for i in layers_of[r]) + (logits_fwd if r == pp - 1 else 0)
         compute = t_mb_one_gpu * fwd / total_fwd / (tp * cp)
-        n_ar = ar_per_layer * len(stage_layers[r]) + (1 if r == 0 else 0) + (1 if r == pp - 1 else 0)
+        n_ar = ar_per_layer * len(layers_of[r]) + (1 if r == 0 else 0) + (1 if r == pp - 1 else 0)
         tp_comm = n_ar * t_tp_ar + (t_loss_ar if r == pp - 1 else 0.0)
-        cp_exposed = len(stage_layers[r]) * t_cp_layer
-        params = len(stage_layers[r]) * ((layer_params - norm_params) / tp + norm_params)
-        if r == 0:
-            params += emb_params / tp
-        if r == pp - 1:
-            params += h  # final norm
-            if not tied or pp > 1:
-                params += emb_params / tp  # the output layer (a copy of the embedding when tied)
+        cp_exposed = len(layers_of[r]) * t_cp_layer
+        params = params_of[r]
         stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, params=params,
                            per_microbatch=compute + tp_comm + cp_exposed))
     crit = max(range(pp), key=lambda r: stages[r]["per_microbatch"])
