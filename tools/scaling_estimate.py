@@ -79,6 +79,9 @@ def build_parser() -> _cli.OneLineParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="full recomputation repeats the forward TP collectives (the measured time must come from "
                         "a run with the same setting)")
+    g.add_argument("--cp-comm-type", choices=["all_gather", "p2p"], default="all_gather",
+                   help="context parallelism's attention: all_gather (Litespark's own, --core-attention sdpa) or p2p "
+                        "(Transformer Engine's ring, what the te backend runs under CP by default)")
     g.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True,
                    help="fp32 gradient buffers and reduction (what litespark-train does)")
     g = p.add_argument_group("cluster")
@@ -131,7 +134,8 @@ def _inputs(args):
             num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
             sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-            recompute_granularity=args.recompute_granularity, grad_reduce_in_fp32=args.grad_reduce_in_fp32)
+            recompute_granularity=args.recompute_granularity, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+            cp_comm_type=args.cp_comm_type)
         ic = Interconnect(nvlink_gbps=args.nvlink_gbps, nvlink_latency_us=args.nvlink_latency_us,
                           ib_gbps_per_gpu=args.ib_gbps_per_gpu, ib_latency_us=args.ib_latency_us,
                           bus_efficiency=args.bus_efficiency, gpus_per_node=args.gpus_per_node)

@@ -13,9 +13,12 @@ backward time of one micro-batch. The estimate then runs that micro-batch on the
   each, the vocabulary-parallel loss 3 small all-reduces. Exposed: Megatron runs them on the compute stream;
 * PP: 1F1B with m micro-batches per step: bubble = (pp-1)/v micro-batch times (fraction (pp-1)/(v m + pp-1));
   each micro-batch sends its activations forward and its gradients back at every stage boundary;
-* CP: Litespark's all-gather attention: per layer an all-gather of every rank's K and V over the CP group
-  forward (again with full recomputation) and a reduce-scatter of their gradients backward, exposed (the
-  attention waits for them);
+* CP, ``cp_comm_type="all_gather"``: Litespark's all-gather attention: per layer an all-gather of every rank's K
+  and V over the CP group forward (again with full recomputation) and a reduce-scatter of their gradients backward,
+  exposed (the attention waits for them); ``"p2p"``: Transformer Engine's ring attention (what the te backend runs
+  under CP): CP - 1 ring steps per layer, each passing one rank's K and V (backward: K, V and their gradients) to
+  the next rank while the attention of the block at hand runs, so only what a step's transfer takes beyond that
+  block's attention is exposed;
 * DP (gradients are reduced over the data-parallel x context-parallel group): all-reduce of the gradient
   buffer, or reduce-scatter of gradients + all-gather of parameters with the distributed optimizer; exposed
   unless --overlap-grad-reduce / --overlap-param-gather;
@@ -141,6 +144,7 @@ class Layout:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    cp_comm_type: str = "all_gather"  # "all_gather" (Litespark's own CP attention) or "p2p" (TE's ring attention)
     grad_reduce_in_fp32: bool = True  # litespark-train always reduces gradients in fp32
 
     def __post_init__(self):
@@ -151,6 +155,8 @@ class Layout:
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ScalingError(f"recompute_granularity must be None, 'full' or 'selective', "
                                f"got {self.recompute_granularity!r}")
+        if self.cp_comm_type not in ("all_gather", "p2p"):
+            raise ScalingError(f"cp_comm_type must be 'all_gather' or 'p2p', got {self.cp_comm_type!r}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -516,7 +522,16 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     # recomputation), reduce-scatter of their gradients backward.
     kv_bytes = b * s * _kv_width(shape) // tp * act_bytes
     gathers = 2 if layout.recompute_granularity == "full" else 1
-    t_cp_layer = gathers * all_gather_s(kv_bytes, groups["cp"], ic) + reduce_scatter_s(kv_bytes, groups["cp"], ic)
+    if layout.cp_comm_type == "p2p":
+        # The ring: a rank's K and V block (1/CP of kv_bytes) per step, hidden behind the attention of one block,
+        # the forward's 1/3 of the attention core's share of the layer (causal-half FLOPs), per CP block.
+        attn_block_fwd = t_mb_one_gpu / (tp * cp) * sum(f.attention_core for f in layer_fwd) / L / total_fwd / 3 / cp
+        ring = groups["cp"].nodes_spanned > 1
+        fwd_step = max(0.0, p2p_s(kv_bytes / cp, ring, ic) - attn_block_fwd) if cp > 1 else 0.0
+        bwd_step = max(0.0, p2p_s(2 * kv_bytes / cp, ring, ic) - 2 * attn_block_fwd) if cp > 1 else 0.0
+        t_cp_layer = (cp - 1) * (gathers * fwd_step + bwd_step)
+    else:
+        t_cp_layer = gathers * all_gather_s(kv_bytes, groups["cp"], ic) + reduce_scatter_s(kv_bytes, groups["cp"], ic)
 
     stages = []
     for r in range(pp):
@@ -604,6 +619,9 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
         "smaller GEMMs running less efficiently, and work TP replicates without sequence parallelism (norms, "
         "residual adds), are not modelled",
         "TP collectives are exposed (no TP communication overlap); activations are communicated in 16 bits",
+        "CP: " + ("TE's ring attention: each ring step's K/V transfer hidden behind one block's attention, the rest "
+                  "exposed" if layout.cp_comm_type == "p2p" else "Litespark's all-gather attention: the K/V "
+                  "all-gather and its reduce-scatter exposed"),
         f"DP gradients reduced in {'fp32' if grad_bytes == 4 else '16 bits'} over DP x CP ranks; "
         + ("distributed optimizer: reduce-scatter + 16-bit parameter all-gather" if layout.use_distributed_optimizer
            else "all-reduce (no distributed optimizer)")
