@@ -161,6 +161,27 @@ def test_context_parallel_ring_terms():
         Layout(cp_comm_type="a2a")
 
 
+def test_host_floor():
+    """A micro-batch takes at least the host's launch time of its stage's layers; below it nothing changes."""
+    shape = preset_shape("llama-1b")
+    meas = Measurement(tokens_per_sec_per_gpu=28_021, seq_length=4096, micro_batch_size=1, global_batch_size=8)
+    ic = dataclasses.replace(PLAIN, gpus_per_node=2)
+
+    def tp2(host):
+        return estimate(shape, Layout(tensor_model_parallel_size=2, sequence_parallel=True), nodes=1,
+                        global_batch_size=8, micro_batch_size=1, measured=meas, peak=H200, interconnect=ic,
+                        hbm_tbps=4.8, host_s_per_layer=host)
+
+    free, slow = tp2(0.0), tp2(0.010)
+    gpu = (free.breakdown["compute"] + free.breakdown["tp_comm"]) / 8  # per micro-batch
+    assert free.breakdown["host_wait"] == 0 and gpu < 16 * 0.010
+    assert slow.breakdown["host_wait"] == pytest.approx(8 * (16 * 0.010 - gpu))
+    assert slow.step_time_s == pytest.approx(free.step_time_s + slow.breakdown["host_wait"])
+    assert tp2(gpu / 16 / 2).step_time_s == pytest.approx(free.step_time_s)
+    with pytest.raises(ScalingError, match="host_s_per_layer"):
+        tp2(-1.0)
+
+
 def test_pipeline_terms():
     # llama-1b PP2 x 2 virtual stages (4 layers each) on 2 GPUs, global batch 8 of 1: m = 8.
     shape = preset_shape("llama-1b")

@@ -43,6 +43,7 @@ from litespark_megatron.metrics.scaling import (  # noqa: E402
 CONVENTION_LABEL = {"half": "causal-half, Megatron-LM", "full": "full attention, NeMo tables"}
 BREAKDOWN_LABEL = {
     "compute": "compute (busiest stage)", "tp_comm": "TP collectives", "cp_exposed": "CP KV exchange, exposed",
+    "host_wait": "host launches, beyond the GPU's time",
     "pp_bubble": "PP bubble", "pp_p2p": "PP send/receive", "dp_grad_exposed": "DP gradient reduction, exposed",
     "dp_param_gather_exposed": "DP parameter all-gather, exposed", "embedding_grad_sync": "tied-embedding sync",
     "optimizer": "optimizer step",
@@ -51,6 +52,10 @@ BREAKDOWN_LABEL = {
 
 def latency(text: str) -> float:
     return _cli._number(text, float, "a latency in microseconds >= 0", allow_zero=True)
+
+
+def milliseconds(text: str) -> float:
+    return _cli._number(text, float, "milliseconds >= 0", allow_zero=True)
 
 
 def node_list(text: str) -> List[int]:
@@ -99,6 +104,9 @@ def build_parser() -> _cli.OneLineParser:
                    help="per ring step over the network (default: NCCL's tuning model)")
     g.add_argument("--bus-efficiency", type=_cli.fraction, default=NCCL_BUS_EFFICIENCY,
                    help="fraction of the line rate NCCL reaches (default 0.8: its ~20%% protocol overhead)")
+    g.add_argument("--host-ms-per-layer", type=milliseconds, default=0.0,
+                   help="the host's time to launch one layer's forward and backward for a micro-batch, ms: a floor on "
+                        "a stage's micro-batch (default 0; docs/planner.md gives measured values)")
     g.add_argument("--hbm-tbps", type=_cli.positive_float, default=None,
                    help="peak HBM bandwidth for the optimizer-step model (default: the datasheet value of --gpu)")
     g = p.add_argument_group("single-GPU measurement (one of the first two)")
@@ -174,7 +182,8 @@ def compute(args) -> dict:
         try:
             est = estimate(shape, layout, nodes=n, global_batch_size=args.global_batch_size,
                            micro_batch_size=args.micro_batch_size, measured=measured, peak=peak, interconnect=ic,
-                           hbm_tbps=hbm, convention=args.attention_convention)
+                           hbm_tbps=hbm, convention=args.attention_convention,
+                           host_s_per_layer=args.host_ms_per_layer / 1e3)
         except ScalingError as e:
             where = f" at {n} node{'s' if n > 1 else ''} ({n * ic.gpus_per_node} GPUs)" if args.sweep_nodes else ""
             raise _cli.UsageError(f"{e}{where}") from None

@@ -22,7 +22,9 @@ backward time of one micro-batch. The estimate then runs that micro-batch on the
 * DP (gradients are reduced over the data-parallel x context-parallel group): all-reduce of the gradient
   buffer, or reduce-scatter of gradients + all-gather of parameters with the distributed optimizer; exposed
   unless --overlap-grad-reduce / --overlap-param-gather;
-* the optimizer step, which DP does not shrink without the distributed optimizer.
+* the optimizer step, which DP does not shrink without the distributed optimizer;
+* the host (``host_s_per_layer``, 0 unless given): a stage's micro-batch takes at least the host's time to launch its
+  layers' kernels, where the GPU's work per launch is small (micro-batch 1, TP and CP without CUDA graphs).
 
 Collectives use the ring model: time = (n-1)/n (reduce-scatter, all-gather) or 2(n-1)/n (all-reduce) x bytes /
 bus bandwidth + the per-step latency of each ring step (NCCL's own tuning model counts the same steps). The bus
@@ -247,7 +249,7 @@ class ScalingEstimate:
                     details=dict(self.details), assumptions=list(self.assumptions))
 
 
-BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "pp_bubble", "pp_p2p", "dp_grad_exposed",
+BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "host_wait", "pp_bubble", "pp_p2p", "dp_grad_exposed",
                   "dp_param_gather_exposed", "embedding_grad_sync", "optimizer")
 
 
@@ -433,12 +435,15 @@ def check_layout(shape: ModelShape, layout: Layout, world_size: int, global_batc
 
 def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size: int, micro_batch_size: int,
              measured: Measurement, peak: Peak, interconnect: Interconnect = Interconnect(),
-             hbm_tbps: Optional[float] = None, convention: str = "full") -> ScalingEstimate:
+             hbm_tbps: Optional[float] = None, convention: str = "full",
+             host_s_per_layer: float = 0.0) -> ScalingEstimate:
     """Predict one optimizer step of ``shape`` (at ``shape.seq_length``) on ``nodes`` x gpus_per_node GPUs.
 
     ``measured``: the single-GPU measurement. ``peak``: the MFU denominator (peaks.detect_peak). ``hbm_tbps``:
     peak HBM bandwidth for the optimizer-step model (default: the table entry of ``peak.device``); not needed when
     ``measured.optimizer_step_s`` is given. ``convention``: attention convention of the MFU ("full" or "half").
+    ``host_s_per_layer``: the host's time to launch one layer's forward and backward kernels for a micro-batch; a
+    stage's micro-batch takes at least that times its layers (0: the host is never the bottleneck).
     """
     ic = interconnect
     _positive_int("nodes", nodes)
@@ -446,6 +451,8 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     _positive_int("micro_batch_size", micro_batch_size)
     if convention not in CAUSAL_CONVENTIONS:
         raise ScalingError(f"convention must be 'half' or 'full', got {convention!r}")
+    if not host_s_per_layer >= 0:
+        raise ScalingError(f"host_s_per_layer must be >= 0, got {host_s_per_layer!r}")
     world = nodes * ic.gpus_per_node
     dp, m, v = check_layout(shape, layout, world, global_batch_size, micro_batch_size)
     tp, pp, cp = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
@@ -541,8 +548,10 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
         tp_comm = n_ar * t_tp_ar + (t_loss_ar if r == pp - 1 else 0.0)
         cp_exposed = len(layers_of[r]) * t_cp_layer
         params = params_of[r]
-        stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, params=params,
-                           per_microbatch=compute + tp_comm + cp_exposed))
+        # A GPU faster than its host waits for the launches: the micro-batch takes the host's time then.
+        host_wait = max(0.0, host_s_per_layer * len(layers_of[r]) - (compute + tp_comm + cp_exposed))
+        stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, host_wait=host_wait,
+                           params=params, per_microbatch=compute + tp_comm + cp_exposed + host_wait))
     crit = max(range(pp), key=lambda r: stages[r]["per_microbatch"])
     st = stages[crit]
     t_fb = st["per_microbatch"]
@@ -551,6 +560,7 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     breakdown["compute"] = m * st["compute"]
     breakdown["tp_comm"] = m * st["tp_comm"]
     breakdown["cp_exposed"] = m * st["cp_exposed"]
+    breakdown["host_wait"] = m * st["host_wait"]
     if pp > 1:
         breakdown["pp_bubble"] = (pp - 1) / v * t_fb
         p2p_bytes = b * (s // cp) * h * act_bytes // (tp if layout.sequence_parallel else 1)
