@@ -54,7 +54,8 @@ def memory_check(row: dict) -> dict:
     peak = estimate.peak
     graphs = args.cuda_graph_impl not in (None, "none")
     predicted = peak.allocated - (peak.activations if graphs and row["measured_by"] == "sweep" else 0)
-    out = dict(predicted_gib=predicted / memory_model.GIB, required_gib=estimate.required_gib)
+    out = dict(predicted_gib=predicted / memory_model.GIB, required_gib=estimate.required_gib,
+               shape=f"{args.model} {args.seq_length // 1024}k, mb {args.micro_batch_size}")
     if row.get("oom"):
         usable = accelerator(row["device"]).memory_gib * memory_model.USABLE_SHARE
         out.update(usable_gib=usable, agrees=estimate.required_gib > usable)
@@ -82,18 +83,20 @@ def speed_check(row: dict) -> dict:
     est = speed(args, memory_model.setup_from_args(args, row["gpus"]), 1, measured,
                 detect_peak(gpu.peak_name, "bf16"), Interconnect(gpus_per_node=row["gpus"]), gpu)
     predicted = est.tokens_per_sec_per_gpu
-    return dict(predicted=predicted, error=predicted / row["tokens_per_sec_per_gpu"] - 1)
+    return dict(predicted=predicted, error=predicted / row["tokens_per_sec_per_gpu"] - 1,
+                shape=f"{args.model} {args.seq_length // 1024}k, mb {args.micro_batch_size}")
 
 
-def _cell(row: dict) -> str:
+def _cell(row: dict, check: dict) -> str:
     flags = row["flags"] or "(shared flags only)"
-    return f"[{row['doc'][:10]}](benchmarks/{row['doc']}) | {row['device']} | {row['gpus']} | `{flags}`"
+    return (f"[{row['doc'][:10]}](benchmarks/{row['doc']}) | {row['device']} | {row['gpus']} | {check['shape']} | "
+            f"`{flags}`")
 
 
 def report() -> str:
     """docs/planner.md's error tables: every row, then the summary by code state."""
-    lines = ["| doc | device | GPUs | flags (after the group's shared ones) | code | measured by | measured GiB | "
-             "predicted GiB | error |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| doc | device | GPUs | model, sequence, micro-batch | flags (after the shared ones) | code | "
+             "measured by | measured GiB | predicted GiB | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     errors, fit_checks, speed_lines, speed_errors = {}, [], [], []
     for row in rows():
         check = memory_check(row)
@@ -101,19 +104,19 @@ def report() -> str:
             verdict = "agrees" if check["agrees"] else "**disagrees**"
             if row["code"] == "current":
                 fit_checks.append(check["agrees"])
-            lines.append(f"| {_cell(row)} | {row['code']} | {row['measured_by']} | out of memory | "
+            lines.append(f"| {_cell(row, check)} | {row['code']} | {row['measured_by']} | out of memory | "
                          f"{check['required_gib']:.1f} needed, {check['usable_gib']:.1f} fit | {verdict} |")
             continue
         if "agrees" in check:
             fit_checks.append(check["agrees"])
         errors.setdefault(row["code"], []).append(check["error"])
-        lines.append(f"| {_cell(row)} | {row['code']} | {row['measured_by']} | {row['peak_gib']:.1f} | "
+        lines.append(f"| {_cell(row, check)} | {row['code']} | {row['measured_by']} | {row['peak_gib']:.1f} | "
                      f"{check['predicted_gib']:.1f} | {check['error']:+.1%} |")
         if row.get("baseline") is not None:
             speed = speed_check(row)
             speed_errors.append(speed["error"])
-            speed_lines.append(f"| {_cell(row)} | {row['tokens_per_sec_per_gpu']:,.0f} | {speed['predicted']:,.0f} | "
-                               f"{speed['error']:+.1%} |")
+            speed_lines.append(f"| {_cell(row, speed)} | {row['tokens_per_sec_per_gpu']:,.0f} | "
+                               f"{speed['predicted']:,.0f} | {speed['error']:+.1%} |")
     summary = ["| code | rows | mean abs. error | largest abs. error | within 10% |", "|---|---|---|---|---|"]
     for code, errs in errors.items():
         absolute = [abs(e) for e in errs]
@@ -121,8 +124,11 @@ def report() -> str:
                        f"{sum(a <= 0.10 for a in absolute)} |")
     summary.append(f"\nFit checks of the current code (its out-of-memory rows must not fit, its rows that ran must): "
                    f"{sum(fit_checks)} of {len(fit_checks)} agree.")
-    speed_table = ["| doc | device | GPUs | flags (after the group's shared ones) | measured tokens/s/GPU | "
-                   "predicted | error |", "|---|---|---|---|---|---|---|", *speed_lines]
+    absolute = [abs(e) for e in speed_errors]
+    speed_table = ["| doc | device | GPUs | model, sequence, micro-batch | flags (after the shared ones) | "
+                   "measured tokens/s/GPU | predicted | error |", "|---|---|---|---|---|---|---|---|", *speed_lines, "",
+                   f"{len(absolute)} rows: mean abs. error {statistics.mean(absolute):.1%}, largest "
+                   f"{max(absolute):.1%}, {sum(a <= 0.10 for a in absolute)} within 10%."]
     return "\n".join(["## Memory: every row", "", *lines, "", "## Memory: summary", "", *summary, "",
                       "## Throughput: every multi-GPU row with a one-GPU row of its machine", "", *speed_table, ""])
 
