@@ -137,6 +137,8 @@ def test_setup_from_litespark_train_flags(resolved):
     assert not resolved(cp, world=2).all_gather_cp  # te backend under CP: TE's ring attention (--core-attention auto)
     assert resolved(cp + " --core-attention sdpa", world=2).all_gather_cp
     assert resolved("--micro-batch-size 1").param_bytes == 4  # no --bf16: fp32 parameters
+    assert resolved("--fp16 --micro-batch-size 1").grad_bytes == 2  # fp16 gradients unless accumulated in fp32
+    assert resolved("--fp16 --micro-batch-size 1 --accumulate-allreduce-grads-in-fp32").grad_bytes == 4
     with pytest.raises(UserError, match="--num-experts is not modelled"):
         resolved("--bf16 --micro-batch-size 1 --num-experts 4 --moe-router-topk 1")
 

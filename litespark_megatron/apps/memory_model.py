@@ -7,8 +7,9 @@ the stage has in flight still holding its activations), in bytes, by part:
   parameter dtype; with --fp8-param-gather the linear weights in FP8 (1 byte);
 * fp8_copies: under FP8, Transformer Engine's cached FP8 copy of every linear weight and its transpose (2 bytes per
   linear parameter; 1, the transpose, when the weights are FP8 already);
-* gradients: megatron-core's gradient buffer, whole on every rank, also with the distributed optimizer (fp32 unless
-  the main gradients are bf16, or the parameters fp32);
+* gradients: megatron-core's gradient buffer, whole on every rank, also with the distributed optimizer (fp32 for
+  bf16 and fp32 parameters unless the main gradients are bf16; fp16 for fp16 parameters unless
+  --accumulate-allreduce-grads-in-fp32);
 * optimizer: main parameters (fp32; 16-bit remainders under the precision-aware optimizer; none for fp32
   parameters) and Adam's two moments, divided over the DP x CP ranks with the distributed optimizer;
 * activations: what the layers save for the backward, per token and layer (h hidden, f FFN, qd = heads x head dim,
@@ -254,7 +255,10 @@ def setup_from_args(args, world_size: int) -> MemorySetup:
     param_bytes = 2 if sixteen_bit else 4
     precision_aware = bool(args.use_precision_aware_optimizer)
     main_grads = _bytes(args.main_grads_dtype) if precision_aware else 4
-    grad_bytes = 4 if not sixteen_bit else (2 if args.grad_reduce_in_bf16 or main_grads == 2 else 4)
+    if args.fp16:  # Megatron-LM accumulates fp16 gradients in fp32 only when asked
+        grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
+    else:  # bf16: in fp32 unless the main gradients are bf16 or asked otherwise; fp32 parameters: fp32
+        grad_bytes = 2 if sixteen_bit and (args.grad_reduce_in_bf16 or main_grads == 2) else 4
     if not sixteen_bit:
         main = 0  # fp32 parameters are the optimizer's own
     elif precision_aware and _bytes(args.main_params_dtype) == 4 and args.bf16:
