@@ -42,6 +42,7 @@ setup(
             "litespark-train=litespark_megatron.pretrain:main",
             "litespark-preprocess=litespark_megatron.corpus:preprocess_main",
             "litespark-convert=litespark_megatron.hf:main",
+            "litespark-plan=litespark_megatron.apps.plan:main",
         ],
     },
 )

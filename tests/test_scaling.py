@@ -134,6 +134,54 @@ def test_context_parallel_terms():
         assert est.breakdown["cp_exposed"] == pytest.approx(8 * 16 * (gathers + 1) * kv / 2 / 1e11)
 
 
+def test_context_parallel_ring_terms():
+    """TE's ring (cp_comm_type p2p): CP - 1 steps per layer, each step's transfer of one rank's K and V (backward:
+    and their gradients) exposed only beyond the attention of one block."""
+    shape = preset_shape("llama-1b")
+    meas = Measurement(tokens_per_sec_per_gpu=28_021, seq_length=4096, micro_batch_size=1, global_batch_size=8)
+    kv = 4096 * 2 * 8 * 64 * 2  # the whole sequence's K and V of one layer, bytes
+
+    def ring(ic, cp=2):
+        return estimate(shape, Layout(context_parallel_size=cp, cp_comm_type="p2p"), nodes=1, global_batch_size=8,
+                        micro_batch_size=1, measured=meas, peak=H200, interconnect=ic, hbm_tbps=4.8)
+
+    fast = ring(dataclasses.replace(PLAIN, gpus_per_node=2))
+    assert fast.breakdown["cp_exposed"] == 0  # 4 MiB in 42 us, far below a block's attention
+    slow_link = dataclasses.replace(PLAIN, gpus_per_node=2, nvlink_gbps=0.01)
+    slow = ring(slow_link)
+    # the attention of one block, forward: the layer's attention-core share of the micro-batch time, / 3, / CP blocks
+    from litespark_megatron.metrics.flops import _layer_forward_per_sequence
+    layer = _layer_forward_per_sequence(shape, 0, "half")
+    total = 16 * layer.total + 2 * 4096 * 2048 * shape.vocab_size
+    block = slow.details["microbatch_compute_one_gpu_s"] / 2 * layer.attention_core / total / 3 / 2
+    per_layer = (kv / 2 / 1e7 - block) + (2 * kv / 2 / 1e7 - 2 * block)
+    assert slow.breakdown["cp_exposed"] == pytest.approx(8 * 16 * per_layer)
+    assert any("ring attention" in a for a in slow.assumptions)
+    with pytest.raises(ScalingError, match="cp_comm_type"):
+        Layout(cp_comm_type="a2a")
+
+
+def test_host_floor():
+    """A micro-batch takes at least the host's launch time of its stage's layers; below it nothing changes."""
+    shape = preset_shape("llama-1b")
+    meas = Measurement(tokens_per_sec_per_gpu=28_021, seq_length=4096, micro_batch_size=1, global_batch_size=8)
+    ic = dataclasses.replace(PLAIN, gpus_per_node=2)
+
+    def tp2(host):
+        return estimate(shape, Layout(tensor_model_parallel_size=2, sequence_parallel=True), nodes=1,
+                        global_batch_size=8, micro_batch_size=1, measured=meas, peak=H200, interconnect=ic,
+                        hbm_tbps=4.8, host_s_per_layer=host)
+
+    free, slow = tp2(0.0), tp2(0.010)
+    gpu = (free.breakdown["compute"] + free.breakdown["tp_comm"]) / 8  # per micro-batch
+    assert free.breakdown["host_wait"] == 0 and gpu < 16 * 0.010
+    assert slow.breakdown["host_wait"] == pytest.approx(8 * (16 * 0.010 - gpu))
+    assert slow.step_time_s == pytest.approx(free.step_time_s + slow.breakdown["host_wait"])
+    assert tp2(gpu / 16 / 2).step_time_s == pytest.approx(free.step_time_s)
+    with pytest.raises(ScalingError, match="host_s_per_layer"):
+        tp2(-1.0)
+
+
 def test_pipeline_terms():
     # llama-1b PP2 x 2 virtual stages (4 layers each) on 2 GPUs, global batch 8 of 1: m = 8.
     shape = preset_shape("llama-1b")

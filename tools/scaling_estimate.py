@@ -43,6 +43,7 @@ from litespark_megatron.metrics.scaling import (  # noqa: E402
 CONVENTION_LABEL = {"half": "causal-half, Megatron-LM", "full": "full attention, NeMo tables"}
 BREAKDOWN_LABEL = {
     "compute": "compute (busiest stage)", "tp_comm": "TP collectives", "cp_exposed": "CP KV exchange, exposed",
+    "host_wait": "host launches, beyond the GPU's time",
     "pp_bubble": "PP bubble", "pp_p2p": "PP send/receive", "dp_grad_exposed": "DP gradient reduction, exposed",
     "dp_param_gather_exposed": "DP parameter all-gather, exposed", "embedding_grad_sync": "tied-embedding sync",
     "optimizer": "optimizer step",
@@ -51,6 +52,10 @@ BREAKDOWN_LABEL = {
 
 def latency(text: str) -> float:
     return _cli._number(text, float, "a latency in microseconds >= 0", allow_zero=True)
+
+
+def milliseconds(text: str) -> float:
+    return _cli._number(text, float, "milliseconds >= 0", allow_zero=True)
 
 
 def node_list(text: str) -> List[int]:
@@ -79,6 +84,9 @@ def build_parser() -> _cli.OneLineParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="full recomputation repeats the forward TP collectives (the measured time must come from "
                         "a run with the same setting)")
+    g.add_argument("--cp-comm-type", choices=["all_gather", "p2p"], default="all_gather",
+                   help="context parallelism's attention: all_gather (Litespark's own, --core-attention sdpa) or p2p "
+                        "(Transformer Engine's ring, what the te backend runs under CP by default)")
     g.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True,
                    help="fp32 gradient buffers and reduction (what litespark-train does)")
     g = p.add_argument_group("cluster")
@@ -96,6 +104,9 @@ def build_parser() -> _cli.OneLineParser:
                    help="per ring step over the network (default: NCCL's tuning model)")
     g.add_argument("--bus-efficiency", type=_cli.fraction, default=NCCL_BUS_EFFICIENCY,
                    help="fraction of the line rate NCCL reaches (default 0.8: its ~20%% protocol overhead)")
+    g.add_argument("--host-ms-per-layer", type=milliseconds, default=0.0,
+                   help="the host's time to launch one layer's forward and backward for a micro-batch, ms: a floor on "
+                        "a stage's micro-batch (default 0; docs/planner.md gives measured values)")
     g.add_argument("--hbm-tbps", type=_cli.positive_float, default=None,
                    help="peak HBM bandwidth for the optimizer-step model (default: the datasheet value of --gpu)")
     g = p.add_argument_group("single-GPU measurement (one of the first two)")
@@ -131,7 +142,8 @@ def _inputs(args):
             num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
             sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-            recompute_granularity=args.recompute_granularity, grad_reduce_in_fp32=args.grad_reduce_in_fp32)
+            recompute_granularity=args.recompute_granularity, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+            cp_comm_type=args.cp_comm_type)
         ic = Interconnect(nvlink_gbps=args.nvlink_gbps, nvlink_latency_us=args.nvlink_latency_us,
                           ib_gbps_per_gpu=args.ib_gbps_per_gpu, ib_latency_us=args.ib_latency_us,
                           bus_efficiency=args.bus_efficiency, gpus_per_node=args.gpus_per_node)
@@ -170,7 +182,8 @@ def compute(args) -> dict:
         try:
             est = estimate(shape, layout, nodes=n, global_batch_size=args.global_batch_size,
                            micro_batch_size=args.micro_batch_size, measured=measured, peak=peak, interconnect=ic,
-                           hbm_tbps=hbm, convention=args.attention_convention)
+                           hbm_tbps=hbm, convention=args.attention_convention,
+                           host_s_per_layer=args.host_ms_per_layer / 1e3)
         except ScalingError as e:
             where = f" at {n} node{'s' if n > 1 else ''} ({n * ic.gpus_per_node} GPUs)" if args.sweep_nodes else ""
             raise _cli.UsageError(f"{e}{where}") from None

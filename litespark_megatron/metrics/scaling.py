@@ -13,13 +13,18 @@ backward time of one micro-batch. The estimate then runs that micro-batch on the
   each, the vocabulary-parallel loss 3 small all-reduces. Exposed: Megatron runs them on the compute stream;
 * PP: 1F1B with m micro-batches per step: bubble = (pp-1)/v micro-batch times (fraction (pp-1)/(v m + pp-1));
   each micro-batch sends its activations forward and its gradients back at every stage boundary;
-* CP: Litespark's all-gather attention: per layer an all-gather of every rank's K and V over the CP group
-  forward (again with full recomputation) and a reduce-scatter of their gradients backward, exposed (the
-  attention waits for them);
+* CP, ``cp_comm_type="all_gather"``: Litespark's all-gather attention: per layer an all-gather of every rank's K
+  and V over the CP group forward (again with full recomputation) and a reduce-scatter of their gradients backward,
+  exposed (the attention waits for them); ``"p2p"``: Transformer Engine's ring attention (what the te backend runs
+  under CP): CP - 1 ring steps per layer, each passing one rank's K and V (backward: K, V and their gradients) to
+  the next rank while the attention of the block at hand runs, so only what a step's transfer takes beyond that
+  block's attention is exposed;
 * DP (gradients are reduced over the data-parallel x context-parallel group): all-reduce of the gradient
   buffer, or reduce-scatter of gradients + all-gather of parameters with the distributed optimizer; exposed
   unless --overlap-grad-reduce / --overlap-param-gather;
-* the optimizer step, which DP does not shrink without the distributed optimizer.
+* the optimizer step, which DP does not shrink without the distributed optimizer;
+* the host (``host_s_per_layer``, 0 unless given): a stage's micro-batch takes at least the host's time to launch its
+  layers' kernels, where the GPU's work per launch is small (micro-batch 1, TP and CP without CUDA graphs).
 
 Collectives use the ring model: time = (n-1)/n (reduce-scatter, all-gather) or 2(n-1)/n (all-reduce) x bytes /
 bus bandwidth + the per-step latency of each ring step (NCCL's own tuning model counts the same steps). The bus
@@ -141,6 +146,7 @@ class Layout:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    cp_comm_type: str = "all_gather"  # "all_gather" (Litespark's own CP attention) or "p2p" (TE's ring attention)
     grad_reduce_in_fp32: bool = True  # litespark-train always reduces gradients in fp32
 
     def __post_init__(self):
@@ -151,6 +157,8 @@ class Layout:
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ScalingError(f"recompute_granularity must be None, 'full' or 'selective', "
                                f"got {self.recompute_granularity!r}")
+        if self.cp_comm_type not in ("all_gather", "p2p"):
+            raise ScalingError(f"cp_comm_type must be 'all_gather' or 'p2p', got {self.cp_comm_type!r}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -241,7 +249,7 @@ class ScalingEstimate:
                     details=dict(self.details), assumptions=list(self.assumptions))
 
 
-BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "pp_bubble", "pp_p2p", "dp_grad_exposed",
+BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "host_wait", "pp_bubble", "pp_p2p", "dp_grad_exposed",
                   "dp_param_gather_exposed", "embedding_grad_sync", "optimizer")
 
 
@@ -349,6 +357,35 @@ def _layer_norm_params(shape: ModelShape) -> int:
     return 2 * shape.hidden_size + extra
 
 
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> List[List[int]]:
+    """The layers each pipeline stage holds: model chunks of num_layers / (pp x virtual) layers, dealt round-robin
+    to the stages (megatron-core's interleaved order; one chunk per stage without virtual stages)."""
+    chunk = num_layers // (pp * virtual)
+    return [[i for i in range(num_layers) if (i // chunk) % pp == r] for r in range(pp)]
+
+
+def stage_parameters(shape: ModelShape, tp: int, pp: int, virtual: int = 1) -> List[Tuple[float, float]]:
+    """(parameters, of which the layers' linear weights) one TP rank of each pipeline stage holds. Everything in a
+    layer but its norms is split by TP; the first stage holds the embedding, the last the final norm and the output
+    layer (a copy of the embedding when tied, under PP)."""
+    layer_params = param_count(shape).transformer_layers // shape.num_layers
+    norm_params = _layer_norm_params(shape)
+    emb_params = shape.vocab_size * shape.hidden_size
+    tied = not shape.untie_embeddings_and_output_weights
+    out = []
+    for r, layers in enumerate(stage_layers(shape.num_layers, pp, virtual)):
+        linear = len(layers) * (layer_params - norm_params) / tp
+        params = linear + len(layers) * norm_params
+        if r == 0:
+            params += emb_params / tp
+        if r == pp - 1:
+            params += shape.hidden_size  # final norm
+            if not tied or pp > 1:
+                params += emb_params / tp  # the output layer (a copy of the embedding when tied)
+        out.append((params, linear))
+    return out
+
+
 def check_layout(shape: ModelShape, layout: Layout, world_size: int, global_batch_size: int,
                  micro_batch_size: int) -> Tuple[int, int, int]:
     """(data-parallel size, micro-batches per step, virtual stages) or ScalingError with what does not fit."""
@@ -398,12 +435,15 @@ def check_layout(shape: ModelShape, layout: Layout, world_size: int, global_batc
 
 def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size: int, micro_batch_size: int,
              measured: Measurement, peak: Peak, interconnect: Interconnect = Interconnect(),
-             hbm_tbps: Optional[float] = None, convention: str = "full") -> ScalingEstimate:
+             hbm_tbps: Optional[float] = None, convention: str = "full",
+             host_s_per_layer: float = 0.0) -> ScalingEstimate:
     """Predict one optimizer step of ``shape`` (at ``shape.seq_length``) on ``nodes`` x gpus_per_node GPUs.
 
     ``measured``: the single-GPU measurement. ``peak``: the MFU denominator (peaks.detect_peak). ``hbm_tbps``:
     peak HBM bandwidth for the optimizer-step model (default: the table entry of ``peak.device``); not needed when
     ``measured.optimizer_step_s`` is given. ``convention``: attention convention of the MFU ("full" or "half").
+    ``host_s_per_layer``: the host's time to launch one layer's forward and backward kernels for a micro-batch; a
+    stage's micro-batch takes at least that times its layers (0: the host is never the bottleneck).
     """
     ic = interconnect
     _positive_int("nodes", nodes)
@@ -411,6 +451,8 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     _positive_int("micro_batch_size", micro_batch_size)
     if convention not in CAUSAL_CONVENTIONS:
         raise ScalingError(f"convention must be 'half' or 'full', got {convention!r}")
+    if not host_s_per_layer >= 0:
+        raise ScalingError(f"host_s_per_layer must be >= 0, got {host_s_per_layer!r}")
     world = nodes * ic.gpus_per_node
     dp, m, v = check_layout(shape, layout, world, global_batch_size, micro_batch_size)
     tp, pp, cp = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
@@ -464,11 +506,8 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     layer_fwd = [_layer_forward_per_sequence(shape, i, "half") for i in range(L)]
     logits_fwd = 2 * s * h * shape.vocab_size
     total_fwd = sum(f.total for f in layer_fwd) + logits_fwd
-    chunk = L // (pp * v)
-    stage_layers = [[i for i in range(L) if (i // chunk) % pp == r] for r in range(pp)]
-    pc = param_count(shape)
-    layer_params = pc.transformer_layers // L
-    norm_params = _layer_norm_params(shape)
+    layers_of = stage_layers(L, pp, v)
+    params_of = [params for params, _ in stage_parameters(shape, tp, pp, v)]
     emb_params = shape.vocab_size * h
     tied = not shape.untie_embeddings_and_output_weights
 
@@ -490,24 +529,29 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     # recomputation), reduce-scatter of their gradients backward.
     kv_bytes = b * s * _kv_width(shape) // tp * act_bytes
     gathers = 2 if layout.recompute_granularity == "full" else 1
-    t_cp_layer = gathers * all_gather_s(kv_bytes, groups["cp"], ic) + reduce_scatter_s(kv_bytes, groups["cp"], ic)
+    if layout.cp_comm_type == "p2p":
+        # The ring: a rank's K and V block (1/CP of kv_bytes) per step, hidden behind the attention of one block,
+        # the forward's 1/3 of the attention core's share of the layer (causal-half FLOPs), per CP block.
+        attn_block_fwd = t_mb_one_gpu / (tp * cp) * sum(f.attention_core for f in layer_fwd) / L / total_fwd / 3 / cp
+        ring = groups["cp"].nodes_spanned > 1
+        fwd_step = max(0.0, p2p_s(kv_bytes / cp, ring, ic) - attn_block_fwd) if cp > 1 else 0.0
+        bwd_step = max(0.0, p2p_s(2 * kv_bytes / cp, ring, ic) - 2 * attn_block_fwd) if cp > 1 else 0.0
+        t_cp_layer = (cp - 1) * (gathers * fwd_step + bwd_step)
+    else:
+        t_cp_layer = gathers * all_gather_s(kv_bytes, groups["cp"], ic) + reduce_scatter_s(kv_bytes, groups["cp"], ic)
 
     stages = []
     for r in range(pp):
-        fwd = sum(layer_fwd[i].total for i in stage_layers[r]) + (logits_fwd if r == pp - 1 else 0)
+        fwd = sum(layer_fwd[i].total for i in layers_of[r]) + (logits_fwd if r == pp - 1 else 0)
         compute = t_mb_one_gpu * fwd / total_fwd / (tp * cp)
-        n_ar = ar_per_layer * len(stage_layers[r]) + (1 if r == 0 else 0) + (1 if r == pp - 1 else 0)
+        n_ar = ar_per_layer * len(layers_of[r]) + (1 if r == 0 else 0) + (1 if r == pp - 1 else 0)
         tp_comm = n_ar * t_tp_ar + (t_loss_ar if r == pp - 1 else 0.0)
-        cp_exposed = len(stage_layers[r]) * t_cp_layer
-        params = len(stage_layers[r]) * ((layer_params - norm_params) / tp + norm_params)
-        if r == 0:
-            params += emb_params / tp
-        if r == pp - 1:
-            params += h  # final norm
-            if not tied or pp > 1:
-                params += emb_params / tp  # the output layer (a copy of the embedding when tied)
-        stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, params=params,
-                           per_microbatch=compute + tp_comm + cp_exposed))
+        cp_exposed = len(layers_of[r]) * t_cp_layer
+        params = params_of[r]
+        # A GPU faster than its host waits for the launches: the micro-batch takes the host's time then.
+        host_wait = max(0.0, host_s_per_layer * len(layers_of[r]) - (compute + tp_comm + cp_exposed))
+        stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, host_wait=host_wait,
+                           params=params, per_microbatch=compute + tp_comm + cp_exposed + host_wait))
     crit = max(range(pp), key=lambda r: stages[r]["per_microbatch"])
     st = stages[crit]
     t_fb = st["per_microbatch"]
@@ -516,6 +560,7 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     breakdown["compute"] = m * st["compute"]
     breakdown["tp_comm"] = m * st["tp_comm"]
     breakdown["cp_exposed"] = m * st["cp_exposed"]
+    breakdown["host_wait"] = m * st["host_wait"]
     if pp > 1:
         breakdown["pp_bubble"] = (pp - 1) / v * t_fb
         p2p_bytes = b * (s // cp) * h * act_bytes // (tp if layout.sequence_parallel else 1)
@@ -584,6 +629,9 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
         "smaller GEMMs running less efficiently, and work TP replicates without sequence parallelism (norms, "
         "residual adds), are not modelled",
         "TP collectives are exposed (no TP communication overlap); activations are communicated in 16 bits",
+        "CP: " + ("TE's ring attention: each ring step's K/V transfer hidden behind one block's attention, the rest "
+                  "exposed" if layout.cp_comm_type == "p2p" else "Litespark's all-gather attention: the K/V "
+                  "all-gather and its reduce-scatter exposed"),
         f"DP gradients reduced in {'fp32' if grad_bytes == 4 else '16 bits'} over DP x CP ranks; "
         + ("distributed optimizer: reduce-scatter + 16-bit parameter all-gather" if layout.use_distributed_optimizer
            else "all-reduce (no distributed optimizer)")
