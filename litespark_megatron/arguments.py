@@ -732,22 +732,26 @@ def check_run(args, plat, world: int) -> None:
     model's config), for a run not started yet (launchers, the suites); Megatron-LM's printout is not shown."""
     import contextlib
     import io
+    import warnings
 
     from .platform import apply_cpu_shims, te_importable
 
     apply_cpu_shims()  # validation reads the GPU's architecture; on a CPU-only torch the shims answer for it
     check(args, plat, world=world)
     args.world_size = world
-    with contextlib.redirect_stdout(io.StringIO()):
-        megatron_validate(args)
-        model = args
-        if plat.te and not te_importable():
-            # A GPU node assumed from here (launch_check --assume-gpu): TransformerConfig asks TE whether its fused
-            # RoPE exists, which only the node can answer; the rest of the model's checks hold here too.
-            model = argparse.Namespace(**{**vars(args), "apply_rope_fusion": False})
-        model_config_check(model)
-    learning_rate_schedule(args)
-    check_checkpoints(args)
+    with warnings.catch_warnings():
+        # No process of the run exists yet, so none has a rank: megatron-core's warning about that says nothing here.
+        warnings.filterwarnings("ignore", message=r"Could not determine rank")
+        with contextlib.redirect_stdout(io.StringIO()):
+            megatron_validate(args)
+            model = args
+            if plat.te and not te_importable():
+                # A GPU node assumed from here (launch_check --assume-gpu): TransformerConfig asks TE whether its
+                # fused RoPE exists, which only the node can answer; the rest of the model's checks hold here too.
+                model = argparse.Namespace(**{**vars(args), "apply_rope_fusion": False})
+            model_config_check(model)
+        learning_rate_schedule(args)
+        check_checkpoints(args)
 
 
 def resolve(argv: Sequence[str], plat) -> argparse.Namespace:
