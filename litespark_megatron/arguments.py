@@ -26,7 +26,7 @@ import traceback
 from typing import Dict, List, Optional, Sequence
 
 from .data import megatron_tokenizer as _megatron_tokenizer
-from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: benchmark.py still takes it from here)
+from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: callers of the parser take it from here)
 from .platform.library_gaps import escape_bare_percent_in_help
 from .presets import PRESETS, preset
 

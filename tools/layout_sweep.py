@@ -12,7 +12,7 @@ tokens/s per GPU to the first layout's (the first that trained, where an earlier
 Writes OUT/sweep.md and OUT/sweep.json.
 
 A layout whose FLAGS start with `hf-ddp` or `hf-fsdp2` trains HF transformers' Llama of the same shape and batch
-data-parallel instead (`litespark_megatron.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
+data-parallel instead (`litespark_megatron.apps.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
 parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
 Megatron next to Litespark's layouts: `--layout "2:hf-fsdp2" --layout "2:hf-ddp" --layout "2:--tensor-model-parallel-size
 2 --sequence-parallel"`. Each row names what trained (spec and precision from its metrics' run record). HF layouts
@@ -153,7 +153,7 @@ def random_token_data(shared, args, prefix: Path):
     """The shared flags with --mock-data replaced by a dataset of random tokens: one step's sequences for each of
     --train-iters steps (the shape and batch of the shared flags, `args`; a layout that asks for more reads it
     again)."""
-    from litespark_megatron.benchmark import random_token_flags
+    from litespark_megatron.apps.benchmark import random_token_flags
 
     return random_token_flags(shared, args, str(prefix), args.global_batch_size * args.train_iters, args.seed)
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
-        trainer, own, common = (("litespark_megatron.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]],
+        trainer, own, common = (("litespark_megatron.apps.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]],
                                  shared) if is_hf(flags) else
                                 ("litespark_megatron", flags, megatron_shared))
         # --standalone: torchrun binds its own free port and holds it (a port chosen here and bound later by the run
