@@ -414,7 +414,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
                               "starts fresh when it holds none yet)")
     for directory in (args.load, args.pretrained_checkpoint):
         _check_checkpoint(args, directory)
-    from .legacy import check as check_legacy_checkpoint
+    from .legacy_checkpoint import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
 
@@ -866,7 +866,7 @@ def check_checkpoints(args) -> None:
         common = dist_checkpointing.load_common_state_dict(directory)
         saved = common.get("args")
         if not isinstance(saved, argparse.Namespace):
-            continue  # none, or the earlier trainer's (legacy.py)
+            continue  # none, or the earlier trainer's (legacy_checkpoint.py)
         _check_checkpoint_model(args, saved, f"{flag} {load_dir}")
         # megatron.training resumes the schedule of --load's checkpoint, not of a release or --finetune's
         if flag == "--load" and not (os.path.basename(directory) == "release" or args.finetune or

@@ -576,14 +576,14 @@ def test_preflight_gives_the_start_up_check_answer():
     nothing to refuse on a CPU; on a GPU, a warning exactly where TE's fused attention does not run."""
     import torch
 
-    from litespark_megatron import health
+    from litespark_megatron import backend_probe
 
     args = resolve(["--model", "tiny"])
     got = benchmark.preflight(args, timeout=120)
     if not torch.cuda.is_available():
         assert got is None
-    assert got == health.te_attention_check(args.hidden_size // args.num_attention_heads, args.num_attention_heads,
-                                            args.num_query_groups)
+    head_dim = args.hidden_size // args.num_attention_heads
+    assert got == backend_probe.te_attention_check(head_dim, args.num_attention_heads, args.num_query_groups)
 
 
 def test_a_rows_precision_names_what_its_flags_lower():

@@ -12,8 +12,8 @@ tokens/s per GPU to the first layout's (the first that trained, where an earlier
 Writes OUT/sweep.md and OUT/sweep.json.
 
 A layout whose FLAGS start with `hf-ddp` or `hf-fsdp2` trains HF transformers' Llama of the same shape and batch
-data-parallel instead (`litespark_megatron.apps.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
-parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
+data-parallel instead (`litespark_megatron.apps.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded;
+bf16 parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
 Megatron next to Litespark's layouts: `--layout "2:hf-fsdp2" --layout "2:hf-ddp" --layout "2:--tensor-model-parallel-size
 2 --sequence-parallel"`. Each row names what trained (spec and precision from its metrics' run record). HF layouts
 train on random tokens; megatron layouts beside them must too: `--random-tokens` writes one dataset of random tokens
@@ -108,7 +108,7 @@ def _hopper_or_older() -> bool:
 
 
 def steady_state(metrics: Path) -> dict:
-    from litespark_megatron.health import from_metrics
+    from litespark_megatron.backend_probe import from_metrics
 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("kind") == "train"][1:]  # the first interval holds warm-up/compilation
@@ -225,8 +225,8 @@ def main(argv=None) -> int:
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
-        trainer, own, common = (("litespark_megatron.apps.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]],
-                                 shared) if is_hf(flags) else
+        hf_flags = ["--parallel", flags[0][len("hf-"):], *flags[1:]]
+        trainer, own, common = (("litespark_megatron.apps.hf_parallel", hf_flags, shared) if is_hf(flags) else
                                 ("litespark_megatron", flags, megatron_shared))
         # --standalone: torchrun binds its own free port and holds it (a port chosen here and bound later by the run
         # could be taken in between)

@@ -37,7 +37,7 @@ Systems (`--systems`, comma list):
 `--variant NAME=SYSTEM:FLAGS` adds a system that is SYSTEM plus some litespark-train flags (a recipe, a fusion,
 a recompute setting), so that one change is measured side by side with what it changes, in the same run.
 
-What each system ran is part of its row (health.py): the attention kernel, observed on an untimed step (the
+What each system ran is part of its row (backend_probe.py): the attention kernel, observed on an untimed step (the
 trainer's first; for HF one more after the timed ones) (TE's FusedAttention / FlashAttention /
 UnfusedDotProductAttention with the cuDNN TE loaded; the kernel torch's SDPA picked), and its fused paths (cross-entropy, RoPE, weight-gradient accumulation). A system that fell
 back is flagged DEGRADED and the benchmark exits 1 unless --allow-degraded; before anything runs, a fresh process
@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .. import health as health_lib
+from .. import backend_probe
 from ..arguments import resolve_quietly
 from ..errors import ConfigError, UserError
 from .hf_model import build_hf_llama, hf_adamw, token_batches
@@ -583,7 +583,7 @@ def preflight(args, timeout: int = PREFLIGHT_TIMEOUT) -> Optional[str]:
 
 
 def preflight_main(spec_json: str) -> None:
-    from ..health import te_attention_check
+    from ..backend_probe import te_attention_check
 
     spec = json.loads(spec_json)
     print(json.dumps({"warning": te_attention_check(spec["head_dim"], spec["heads"], spec["kv_heads"])}), flush=True)
@@ -1034,7 +1034,7 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     result["profile"] = _profile(step, profile_steps, cuda)
     # What ran, seen on one more step of the eager model (torch.compile lowers SDPA to the kernel the same dispatcher
     # picks for these tensors; the spy itself would make the compiled graph recompile).
-    with health_lib.BackendProbe([model]) as probe:
+    with backend_probe.BackendProbe([model]) as probe:
         step(forward=model)
     health = probe.report(device_type=device.type)
     health.fusions.update(fusions)
@@ -1187,8 +1187,8 @@ def _runtime_device() -> dict:
     except Exception:  # the driver version is informative only; NVML's absence is reported by the energy column
         pass
     return dict(type="cuda", name=torch.cuda.get_device_name(index), count=torch.cuda.device_count(),
-                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=health_lib.torch_cudnn_version(),
-                te_cudnn=health_lib.te_cudnn_version(),
+                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=backend_probe.torch_cudnn_version(),
+                te_cudnn=backend_probe.te_cudnn_version(),
                 driver=driver, memory_gib=torch.cuda.get_device_properties(index).total_memory / 2**30)
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import arguments
-from .. import health as health_lib
+from .. import backend_probe
 from ..errors import ConfigError, UserError
 
 STATE_FILE = "suite_state.json"
@@ -461,7 +461,7 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     measured_tokens = [t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None]
     joules = sum(r["joules_per_token"] * t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None)
     val = [r for r in records if r.get("kind") == "val"]
-    health = health_lib.from_metrics(records)
+    health = backend_probe.from_metrics(records)
     out = dict(
         params=params,
         world_size=world,

@@ -184,7 +184,7 @@ def train(parallel: str, args, plat) -> NoReturn:
     import torch
     import torch.distributed as dist
 
-    from .. import health as health_lib
+    from .. import backend_probe
     from .hf_model import build_hf_llama, hf_adamw, iter_token_batches
 
     device = _init_distributed(plat)
@@ -222,7 +222,7 @@ def train(parallel: str, args, plat) -> NoReturn:
     telemetry.begin()
     for iteration, tokens in enumerate(batches, start=1):
         if iteration == 1:  # what ran, seen on the first step (its interval is start-up: tools drop it)
-            with health_lib.BackendProbe([model]) as probe:
+            with backend_probe.BackendProbe([model]) as probe:
                 loss, norm = step(tokens)
             telemetry.record_health(probe.report(device_type=device.type))
         else:

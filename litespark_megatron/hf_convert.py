@@ -455,7 +455,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
                 # megatron-core saves a GLU fc1 as its two halves [gate; up], views of the parameter, which the
                 # checkpoint writer copies into process memory (about half of a Llama's layer weights). Saved
                 # whole, fc1 is written from its file as is; a checkpoint stores chunks of a tensor, and a GLU
-                # model reads its halves from them in any layout (tests/test_hf.py loads it in TP2 x PP2).
+                # model reads its halves from them in any layout (tests/test_hf_convert.py loads it in TP2 x PP2).
                 model.config.gated_linear_unit = False
                 with contextlib.redirect_stdout(sys.stderr if not quiet else io.StringIO()):
                     save_checkpoint(0, [model], None, None, 0, release=True)
