@@ -36,7 +36,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from .attention import LitesparkSelfAttention
-from .kernels import rope
+from .elementwise import rope
 
 FLA_VERSION = "0.6.0"  # the fla-core whose branch definitions nsa_reference follows (setup.py's `nsa` extra)
 

@@ -1,4 +1,4 @@
-"""Elementwise kernels of the Litespark layer, each with its plain-torch reference.
+"""The elementwise ops of the Litespark layer (SwiGLU, RoPE, RMSNorm), each with its plain-torch reference.
 
 The references define the function; the fused versions must match them (tests compare both on random inputs,
 forward and backward). On CUDA, SwiGLU is Transformer Engine's fused kernel pair (swiglu / dswiglu, through its
