@@ -586,12 +586,12 @@ def hf_config(args, shape: Shape, vocab: int, dtype: torch.dtype, tokenizer=None
     special = {"bos_token_id": None, "eos_token_id": None}  # unknown without the run's tokenizer
     if tokenizer is not None:
         tok, directory = tokenizer
-        from .data import _special_token_name
+        from .data import special_token_name
 
         bos = None
         path = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(path):
-            bos = tok.vocab.get(_special_token_name(_json(path, "the tokenizer's config").get("bos_token")))
+            bos = tok.vocab.get(special_token_name(_json(path, "the tokenizer's config").get("bos_token")))
         special = {"bos_token_id": bos, "eos_token_id": tok.eod}
     return LlamaConfig(vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
                        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,

@@ -50,7 +50,7 @@ BREAKDOWN_LABEL = {
 
 
 def latency(text: str) -> float:
-    return cli._number(text, float, "a latency in microseconds >= 0", allow_zero=True)
+    return cli.number(text, float, "a latency in microseconds >= 0", allow_zero=True)
 
 
 def node_list(text: str) -> List[int]:
