@@ -131,9 +131,9 @@ def is_hf(flags) -> bool:
 
 def data_error(layouts, shared, random_tokens: bool):
     """Why the sweep's data would make its rows incomparable, or None. The HF layouts train on random tokens; a
-    megatron layout beside them must too: on megatron-core's mock data (counting sequences) Litespark FP8 was
-    measured about 5% faster than on random tokens (one H200, different days), so such a table could favour the
-    megatron rows."""
+    megatron layout beside them must too: Litespark FP8's speed differs between megatron-core's mock data
+    (counting sequences) and random tokens (docs/benchmarks/2026-11-25-two-gpu-tp2-graphs-dp2-hf-pao-loss.md), so
+    such a table could favour the megatron rows."""
     hf = any(is_hf(flags) for _, flags in layouts)
     megatron = any(not is_hf(flags) for _, flags in layouts)
     layout_data = [f for _, flags in layouts for f in flags if f.split("=", 1)[0] in DATA_FLAGS]

@@ -3,14 +3,13 @@
     python tools/benchmark.py --out runs/bench      # llama-3b, seq 4096, micro-batch 2, the five default systems
     python tools/benchmark.py --systems hf-eager,litespark-bf16 --best-micro-batch --global-batch-size 8
 
-Every system trains the same model shape on random tokens, uniform over the vocabulary (same sequence length,
-same tokens per optimizer step; the megatron systems read them from an indexed dataset written once per benchmark,
-the HF systems draw them in the worker). Token values do change FP8 speed: on megatron-core's mock dataset
-(counting sequences, which a model learns within steps) Litespark FP8 ran 1-4% slower and less repeatably than on
-random tokens on an H200. Each system runs in a FRESH
-process, so that GPU memory, compile caches and megatron-core's global state
-never carry over from one system to the next. A worker runs `--warmup` steps, then `--steps` timed steps (wall
-time, with a CUDA synchronize after every step), and reports:
+Every system trains the same model shape on random tokens, uniform over the vocabulary (same sequence length, same
+tokens per optimizer step; the megatron systems read them from an indexed dataset written once per benchmark, the HF
+systems draw them in the worker). Token values do change FP8 speed: on megatron-core's mock dataset (counting
+sequences, which a model learns within steps) Litespark FP8 ran slower and less repeatably than on random tokens
+(docs/benchmarks/2026-11-23-megatron-training-base-h200.md). Each system runs in a FRESH process, so that GPU
+memory, compile caches and megatron-core's global state never carry over from one system to the next. A worker runs
+`--warmup` steps, then `--steps` timed steps (wall time, with a CUDA synchronize after every step), and reports:
 
 * tokens/s, and model TFLOP/s per GPU from the exact counter (`metrics.flops.training_flops_per_step`: logits
   included, attention counted in full, and also causal-halved);
