@@ -2,9 +2,8 @@
 
 A comparison is only as fair as its weakest row. The project's first "vs stock" ratios were measured against a
 stock baseline whose Transformer Engine had silently lost its fused attention (TE loaded another cuDNN than torch;
-cuDNN then failed to load a sub-library and TE fell back to unfused attention:
-docs/benchmarks/2026-11-23-baseline-health-h200.md). So every tool that compares systems records what each one ran,
-and flags a system that fell back.
+cuDNN then failed to load a sub-library and TE fell back to unfused attention: docs/benchmarks/README.md). So every
+tool that compares systems records what each one ran, and flags a system that fell back.
 
     probe = BackendProbe(model_chunks)
     with probe:
