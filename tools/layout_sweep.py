@@ -225,9 +225,11 @@ def main(argv=None) -> int:
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
-        hf_flags = ["--parallel", flags[0][len("hf-"):], *flags[1:]]
-        trainer, own, common = (("litespark_megatron.apps.hf_parallel", hf_flags, shared) if is_hf(flags) else
-                                ("litespark_megatron", flags, megatron_shared))
+        if is_hf(flags):
+            trainer, own, common = ("litespark_megatron.apps.hf_parallel",
+                                    ["--parallel", flags[0][len("hf-"):], *flags[1:]], shared)
+        else:
+            trainer, own, common = "litespark_megatron", flags, megatron_shared
         # --standalone: torchrun binds its own free port and holds it (a port chosen here and bound later by the run
         # could be taken in between)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
