@@ -41,7 +41,7 @@ setup(
         "console_scripts": [
             "litespark-train=litespark_megatron.pretrain:main",
             "litespark-preprocess=litespark_megatron.corpus:preprocess_main",
-            "litespark-convert=litespark_megatron.hf:main",
+            "litespark-convert=litespark_megatron.hf_convert:main",
             "litespark-plan=litespark_megatron.apps.plan:main",
         ],
     },

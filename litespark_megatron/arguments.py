@@ -26,7 +26,7 @@ import traceback
 from typing import Dict, List, Optional, Sequence
 
 from .data import megatron_tokenizer as _megatron_tokenizer
-from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: benchmark.py still takes it from here)
+from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: callers of the parser take it from here)
 from .platform.library_gaps import escape_bare_percent_in_help
 from .presets import PRESETS, preset
 
@@ -82,8 +82,8 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--chunked-output-loss", type=int, default=None, metavar="N",
                    help="compute the output layer and the loss in N chunks of the sequence, recomputing each chunk's "
                         "logits in the backward: the micro-batch's logits (fp32 in the fused loss) are never whole "
-                        "in memory, for the output layer's GEMM and the loss's forward once more (llama-3b, "
-                        "micro-batch 4, H200: 15.4 GiB less for 6.4%% of the step; output_loss.py)")
+                        "in memory, for the output layer's GEMM and the loss's forward once more (output_loss.py; "
+                        "what it saves and costs: docs/benchmarks/)")
     g.add_argument("--litespark-cross-entropy", action="store_true",
                    help="compute the loss with Litespark's vocab-parallel cross-entropy (kernels/cross_entropy.py; "
                         "Triton on a GPU, its plain-torch reference elsewhere) instead of megatron-core's: no fp32 "
@@ -414,7 +414,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
                               "starts fresh when it holds none yet)")
     for directory in (args.load, args.pretrained_checkpoint):
         _check_checkpoint(args, directory)
-    from .legacy import check as check_legacy_checkpoint
+    from .legacy_checkpoint import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
 
@@ -622,9 +622,9 @@ def model_config_check(args) -> None:
 def resolve_core_attention(args) -> None:
     """--core-attention auto -> the kernel this run takes: TE's DotProductAttention where the Litespark layer runs
     dense GQA/MHA attention on the te backend under context parallelism (TE's ring attention, as stock runs it,
-    was 6-9% faster than the Litespark all-gather attention: llama-1b, 16k tokens, CP2, two H200s,
-    docs/benchmarks/2026-11-26-cp-tp-overlap-hf-best-2xh200.md), torch SDPA everywhere else (as fast as TE's at
-    micro-batch 1 and 4 on one H200, and it runs on every backend)."""
+    was faster than the Litespark all-gather attention: docs/benchmarks/2026-11-26-cp-tp-overlap-hf-best-2xh200.md),
+    torch SDPA everywhere else (as fast as TE's without CP: docs/benchmarks/2026-11-25-best-stock-graphs-h100-memory.md;
+    and it runs on every backend)."""
     if args.core_attention != "auto" and not getattr(args, "core_attention_auto", False):
         return
     args.core_attention_auto = True  # decided again if --use-checkpoint-args changes what it depends on
@@ -713,7 +713,7 @@ def _check_fp8_parameters_optimizer(args) -> None:
     """FP8 parameters (--fp8-param-gather) under delayed scaling are updated by Transformer Engine's FP8 Adam kernel,
     which asserts fp32 master weights and moments; the precision-aware optimizer gives it master weights stored as
     16-bit remainders (megatron-core's store_param_remainders, which no Megatron-LM flag turns off), and bf16 moments
-    if asked. Both failed at the first optimizer step on an H100 (TE 2.20.2, megatron-core 0.19.2)."""
+    if asked. Both failed at the first optimizer step (docs/benchmarks/2026-11-25-best-stock-graphs-h100-memory.md)."""
     if args.fp8_recipe == "delayed":
         raise ConfigError("--fp8-param-gather with --use-precision-aware-optimizer under delayed scaling: Transformer "
                           "Engine's Adam for FP8 parameters needs fp32 master weights and moments, and megatron-core "
@@ -870,7 +870,7 @@ def check_checkpoints(args) -> None:
         common = dist_checkpointing.load_common_state_dict(directory)
         saved = common.get("args")
         if not isinstance(saved, argparse.Namespace):
-            continue  # none, or the earlier trainer's (legacy.py)
+            continue  # none, or the earlier trainer's (legacy_checkpoint.py)
         _check_checkpoint_model(args, saved, f"{flag} {load_dir}")
         # megatron.training resumes the schedule of --load's checkpoint, not of a release or --finetune's
         if flag == "--load" and not (os.path.basename(directory) == "release" or args.finetune or

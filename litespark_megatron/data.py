@@ -190,7 +190,7 @@ def _tokenizer_file(path: str, tokenizer_type: str) -> str:
                     f"loads a local tokenizer.json or a directory holding one; nothing is downloaded)")
 
 
-def _special_token_name(value) -> Optional[str]:
+def special_token_name(value) -> Optional[str]:
     """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
     if isinstance(value, str):
         return value
@@ -213,8 +213,8 @@ def _hf_special_tokens(directory: str) -> Tuple[Optional[str], Optional[str]]:
             raise DataError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(cfg, dict):
             continue
-        eos = eos or _special_token_name(cfg.get("eos_token"))
-        pad = pad or _special_token_name(cfg.get("pad_token"))
+        eos = eos or special_token_name(cfg.get("eos_token"))
+        pad = pad or special_token_name(cfg.get("pad_token"))
     return eos, pad
 
 

@@ -3,13 +3,12 @@ logits are never whole in memory.
 
 megatron-core computes the logits of the whole micro-batch, [s, b, V / TP], and its fused cross-entropy keeps an
 fp32 copy of them for the backward: for llama-3b (V = 128,256) 2 GiB per sequence of 4,096 tokens, the allocation
-12 of the 15 megatron out-of-memory failures of the 2026-11-25 benchmark asked for (CUDA graphs at micro-batch 4 on
-an H200, micro-batch 4 on an H100, ...). Here each chunk of positions goes through the output layer and
-megatron-core's own loss (fused or not, as configured) under activation checkpointing: the forward keeps only the
-chunk's loss, and the backward recomputes one chunk's logits at a time. The cost is the output layer's GEMM and the
-loss's forward once more, and under sequence parallelism the all-gather: measured on llama-3b at micro-batch 4 (one
-H200, FP8) 15.4 GiB less peak memory for 6.4% of the step (docs/benchmarks/2026-11-25-qkv-fix-chunked-loss-mb2-h200.md).
-A way to fit a micro-batch, not to gain speed.
+most of the megatron rows that ran out of memory asked for
+(docs/benchmarks/2026-11-25-best-stock-graphs-h100-memory.md). Here each chunk of positions goes through the output
+layer and megatron-core's own loss (fused or not, as configured) under activation checkpointing: the forward keeps
+only the chunk's loss, and the backward recomputes one chunk's logits at a time. The cost is the output layer's GEMM
+and the loss's forward once more, and under sequence parallelism the all-gather: a share of the step traded for peak
+memory (docs/benchmarks/2026-11-25-qkv-fix-chunked-loss-mb2-h200.md). A way to fit a micro-batch, not to gain speed.
 
 It is megatron-core's `output_processor` hook of GPTModel.forward (called on the last pipeline stage): the output
 layer, its weight (tied or not), gradient-accumulation fusion, TP and SP are megatron-core's, unchanged. The same

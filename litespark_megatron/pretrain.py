@@ -105,7 +105,7 @@ _probed = False
 
 
 def forward_step(data_iterator, model):
-    """One micro-batch forward. The first one in this process runs under the backend probe (health.py): which
+    """One micro-batch forward. The first one in this process runs under the backend probe (backend_probe.py): which
     attention kernel and fused paths ran is logged once and recorded for the tools. (No return_schedule_plan:
     --overlap-moe-expert-parallel-comm, under which megatron-core asks for the model's schedule plan, is refused.)"""
     global _probed
@@ -151,10 +151,10 @@ def _probed_forward(run, model):
     from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
-    from . import health, telemetry
+    from . import backend_probe, telemetry
 
     telemetry.begin()
-    with health.BackendProbe([model]) as probe:
+    with backend_probe.BackendProbe([model]) as probe:
         output = run()
     args, device_type = get_args(), platform.detect().device_type
     cross_entropy = None
@@ -167,7 +167,7 @@ def _probed_forward(run, model):
         from .kernels.rms_norm import rms_norm_path
 
         rms_norm = rms_norm_path(device_type)
-    report = probe.report(config=get_model_config(model), requested=health.requested_fusions(args),
+    report = probe.report(config=get_model_config(model), requested=backend_probe.requested_fusions(args),
                           device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm)
     telemetry.record_health(report)
     return output

@@ -62,7 +62,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     all-gathers keys and values over the CP group (see layers/attention.py). "te" (te backend): Transformer Engine's
     DotProductAttention, as the stock TE layer has it: cuDNN's fused attention on the [s, b, h, d] tensors as they
     are (no permutes), FP8 attention with fp8_dot_product_attention, TE's own context parallelism. Which kernel ran
-    is observed and logged on the first step (health.py); a run whose attention fell back to an unfused kernel is
+    is observed and logged on the first step (backend_probe.py); a run whose attention fell back to an unfused kernel is
     flagged, not accepted.
 
     Attention: Litespark GQA/MHA/MQA self-attention, or (multi_latent_attention) megatron-core's MLASelfAttention

@@ -129,7 +129,7 @@ class Telemetry:
 
     def _warn_without_te_fused_attention(self) -> None:
         """A GPU run whose TE cannot run its fused attention for this head shape says so at start-up."""
-        from .health import te_attention_check
+        from .backend_probe import te_attention_check
 
         args = self.args
         groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads

@@ -17,14 +17,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # than torch's) made every earlier "vs stock" ratio wrong. Stop here rather than measure anything.
 if ! python3 - <<'PY'
 import sys, torch
-from litespark_megatron import health, platform
+from litespark_megatron import backend_probe, platform
 if torch.cuda.get_device_capability()[0] == 9:
     if not platform.te_importable():
         sys.exit("gpu_check: Transformer Engine is not importable on this Hopper GPU: pip install -e '.[te]'")
-    warning = health.te_attention_check(128, 32, 8)
+    warning = backend_probe.te_attention_check(128, 32, 8)
     if warning:
         sys.exit(f"gpu_check: {warning}")
-    print(f"TE fused attention: yes (TE's cuDNN {health.te_cudnn_version()}, torch's {health.torch_cudnn_version()})")
+    print(f"TE fused attention: yes (TE's cuDNN {backend_probe.te_cudnn_version()}, "
+          f"torch's {backend_probe.torch_cudnn_version()})")
 PY
 then
   exit 1

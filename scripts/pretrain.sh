@@ -112,7 +112,7 @@ CHECK_ERR="$(mktemp)"
 CHECK_STDOUT="$(mktemp)"
 trap 'rm -f "$CHECK_ERR" "$CHECK_STDOUT"' EXIT
 CHECK_RC=0
-CHECK_OUT="$("$PYTHON" -m litespark_megatron.launch_check --prog "$PROG" layout --nnodes "$NNODES" \
+CHECK_OUT="$("$PYTHON" -m litespark_megatron.apps.launch_check --prog "$PROG" layout --nnodes "$NNODES" \
   --nproc-per-node "$NPROC" -- "$@" 2>"$CHECK_ERR")" || CHECK_RC=$?
 CHECK_OUT="${CHECK_OUT##*$'\n'}"  # its last line: an import may print before it
 if [ -z "$CHECK_OUT" ]; then  # it did not get as far as resolving anything (a broken install): its own words
@@ -199,7 +199,7 @@ if [ "$RENDEZVOUS" = static ]; then
   if [ "$NODE_RANK" -gt 0 ]; then
     say "$PROG: waiting up to ${MASTER_WAIT_SECONDS} s for node 0 to listen at $MASTER_ADDR:$MASTER_PORT"
   fi
-  "$PYTHON" -m litespark_megatron.launch_check --prog "$PROG" master --addr "$MASTER_ADDR" --port "$MASTER_PORT" \
+  "$PYTHON" -m litespark_megatron.apps.launch_check --prog "$PROG" master --addr "$MASTER_ADDR" --port "$MASTER_PORT" \
     --node-rank "$NODE_RANK" --wait "$MASTER_WAIT_SECONDS" >"$CHECK_STDOUT" 2>"$CHECK_ERR" || CHECK_RC=$?
   tee -a "$LOG" <"$CHECK_STDOUT"
   say_err "$CHECK_ERR"

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import load_tool
 
-from litespark_megatron import benchmark
+from litespark_megatron.apps import benchmark, hf_model
 from litespark_megatron import arguments, platform
 from litespark_megatron.metrics.flops import ModelShape, training_flops_per_step
 
@@ -242,7 +242,7 @@ def test_failure_classification():
 
 def test_hf_config_has_the_preset_shape():
     args = resolve(["--model", "llama-3b"])
-    kw = benchmark.hf_config_kwargs(args)
+    kw = hf_model.hf_config_kwargs(args)
     assert (kw["num_hidden_layers"], kw["hidden_size"], kw["intermediate_size"], kw["num_attention_heads"],
             kw["num_key_value_heads"], kw["vocab_size"], kw["head_dim"]) == (28, 3072, 8192, 24, 8, 128256, 128)
     assert kw["tie_word_embeddings"] is False and kw["use_cache"] is False and kw["rms_norm_eps"] == 1e-5
@@ -549,7 +549,7 @@ def test_hf_llama_3b_is_the_megatron_shape_in_bf16():
     # RoPE base 500000, and exactly the parameters the FLOP/parameter counter gives llama-3b (docs/metrics.md).
     import torch
 
-    model = benchmark.build_hf_llama(resolve(["--model", "llama-3b"]), cuda=True, device=torch.device("meta"))
+    model = hf_model.build_hf_llama(resolve(["--model", "llama-3b"]), cuda=True, device=torch.device("meta"))
     assert sum(p.numel() for p in model.parameters()) == 3_606_752_256
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32  # restored after the build
@@ -576,14 +576,14 @@ def test_preflight_gives_the_start_up_check_answer():
     nothing to refuse on a CPU; on a GPU, a warning exactly where TE's fused attention does not run."""
     import torch
 
-    from litespark_megatron import health
+    from litespark_megatron import backend_probe
 
     args = resolve(["--model", "tiny"])
     got = benchmark.preflight(args, timeout=120)
     if not torch.cuda.is_available():
         assert got is None
-    assert got == health.te_attention_check(args.hidden_size // args.num_attention_heads, args.num_attention_heads,
-                                            args.num_query_groups)
+    head_dim = args.hidden_size // args.num_attention_heads
+    assert got == backend_probe.te_attention_check(head_dim, args.num_attention_heads, args.num_query_groups)
 
 
 def test_a_rows_precision_names_what_its_flags_lower():

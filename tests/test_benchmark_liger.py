@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from litespark_megatron import benchmark
+from litespark_megatron.apps import benchmark, hf_model
 from litespark_megatron.arguments import UserError, resolve_quietly
 
 HAVE_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -39,14 +39,14 @@ def test_liger_fusions_checks_each_kernel_took(monkeypatch):
     with pytest.raises(RuntimeError, match=r"Liger-Kernel did not take on the HF model \(this transformers "
                                            r"version\?\): RMSNorm \(0 of 9 norms\), SwiGLU \(0 of 4 MLPs\), RoPE, "
                                            r"fused linear cross-entropy$"):
-        benchmark.liger_fusions(benchmark.build_hf_llama(args, False, torch.device("cpu")))
+        benchmark.liger_fusions(hf_model.build_hf_llama(args, False, torch.device("cpu")))
     # Liger patches HF's classes in place: restored after this test (monkeypatch undoes its own setattr).
     for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
     monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
     apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                 fused_linear_cross_entropy=True)
-    model = benchmark.build_hf_llama(args, False, torch.device("cpu"))
+    model = hf_model.build_hf_llama(args, False, torch.device("cpu"))
     fusions, note = benchmark.liger_fusions(model)
     assert fusions == {"cross_entropy": "liger fused linear", "rope": "liger", "wgrad_accumulation": "n/a"}
     assert note.startswith("Liger-Kernel 0.") and note.endswith(": RMSNorm (9 norms), SwiGLU (4 MLPs), RoPE, fused "

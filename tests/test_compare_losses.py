@@ -6,7 +6,7 @@ import pytest
 
 from conftest import load_tool, run_error
 
-from litespark_megatron.metrics.loss_curves import compare, smoothed
+from litespark_megatron.apps.loss_curves import compare, smoothed
 
 
 def write_metrics(path, losses, extra=()):

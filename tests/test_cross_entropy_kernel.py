@@ -167,10 +167,10 @@ def test_the_flag_is_refused_beside_another_loss(flags, message):
 def test_the_health_record_names_the_loss_that_ran():
     from types import SimpleNamespace
 
-    from litespark_megatron import health
+    from litespark_megatron import backend_probe
 
-    assert health.requested_fusions(SimpleNamespace(litespark_cross_entropy=True))["cross_entropy"] is True
-    with health.BackendProbe([]) as probe:
+    assert backend_probe.requested_fusions(SimpleNamespace(litespark_cross_entropy=True))["cross_entropy"] is True
+    with backend_probe.BackendProbe([]) as probe:
         pass
     config = SimpleNamespace(cross_entropy_loss_fusion=False, apply_rope_fusion=False, rotary_interleaved=False)
     assert probe.report(config=config, device_type="cpu").fusions["cross_entropy"] == "off"

@@ -126,7 +126,8 @@ def test_a_suite_of_variants_none_of_which_can_run_is_refused_before_any_work(tm
 def test_every_variant_the_layout_cannot_run_says_why_and_the_others_are_planned():
     """TP2 on the CPU: MQA and NSA (one KV head), MLA (TP without TE) and the MoEs (TP without SP) cannot run; FP8
     needs a GPU. The others are planned."""
-    from litespark_megatron import efficiency, platform
+    from litespark_megatron import platform
+    from litespark_megatron.apps import efficiency_suite as efficiency
 
     settings = efficiency.parse_settings(["--out", "unused", "--model", "tiny", "--variants", "all", "--nproc", "2",
                                           "--", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
@@ -148,7 +149,7 @@ def test_every_variant_the_layout_cannot_run_says_why_and_the_others_are_planned
     (["--variants", "gqa", "--model", "gpt-5"], "unknown --model 'gpt-5'"),
 ])
 def test_bad_options(argv, message):
-    from litespark_megatron import efficiency
+    from litespark_megatron.apps import efficiency_suite as efficiency
     from litespark_megatron.arguments import UserError
 
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -167,7 +168,7 @@ CONFIG_ERROR = "litespark-train: error: --global-batch-size 6 is not divisible b
 
 
 def test_oom_is_told_apart_from_other_failures():
-    from litespark_megatron.efficiency import classify_failure, failure_summary
+    from litespark_megatron.apps.efficiency_suite import classify_failure, failure_summary
 
     assert classify_failure(1, TORCH_OOM) == "oom"
     assert failure_summary(1, TORCH_OOM).startswith("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried")
@@ -181,7 +182,7 @@ def test_oom_is_told_apart_from_other_failures():
 
 def test_an_oom_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
     """run_suite with the runs replaced: mqa runs out of memory, gqa (after it) still runs; the table says OOM."""
-    from litespark_megatron import efficiency
+    from litespark_megatron.apps import efficiency_suite as efficiency
 
     ran = []
 
@@ -234,7 +235,7 @@ def gpu_records():
 
 
 def test_metric_definitions_on_known_numbers():
-    from litespark_megatron.efficiency import summarize_metrics
+    from litespark_megatron.apps.efficiency_suite import summarize_metrics
 
     m = summarize_metrics(gpu_records(), warmup_intervals=1)
     # Measured intervals: 10 s (10 steps x 1 s) and 30 s (10 steps x 3 s); 40,960 tokens each.
@@ -298,7 +299,8 @@ def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_its_data
     parameter count of a variant that has not run uses it, not the preset's 4096."""
     from tokenizers import Tokenizer
 
-    from litespark_megatron import data, efficiency
+    from litespark_megatron import data
+    from litespark_megatron.apps import efficiency_suite as efficiency
     from litespark_megatron.metrics.flops import ModelShape, param_count
     from litespark_megatron.platform import detect
 
@@ -322,7 +324,7 @@ def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_its_data
 
 # --------------------------------------------------------------------------------------------- repeats, findings
 def test_interval_and_verdicts_on_known_numbers():
-    from litespark_megatron.findings import AGREE, DISAGREE, INCONCLUSIVE, NOT_MEASURED, interval, lower, lowest
+    from litespark_megatron.apps.findings import AGREE, DISAGREE, INCONCLUSIVE, NOT_MEASURED, interval, lower, lowest
 
     three = interval([1.0, 2.0, 3.0])
     assert (three.n, three.mean, three.min, three.max) == (3, 2.0, 1.0, 3.0)
@@ -359,7 +361,7 @@ def test_repeats_give_each_number_its_spread_and_the_findings_their_verdicts(tmp
     tiny preset being GQA in bf16). Repeat K trains with --seed 1234 + K - 1 on the data of --data-seed 1234. The
     table gives means with their 95% interval, findings.md reads "agree" for BF16's lower latency (1.00 vs 1.20),
     "disagree" for its energy (0.30 vs 0.20 J/token) and "inconclusive" for MQA's memory (the intervals overlap)."""
-    from litespark_megatron import efficiency
+    from litespark_megatron.apps import efficiency_suite as efficiency
 
     flags_of = {}
 
@@ -405,7 +407,7 @@ def test_repeats_give_each_number_its_spread_and_the_findings_their_verdicts(tmp
 
 
 def test_one_repeat_leaves_every_verdict_inconclusive_and_a_cannot_run_row_says_why(tmp_path, monkeypatch):
-    from litespark_megatron import efficiency
+    from litespark_megatron.apps import efficiency_suite as efficiency
 
     def fake_run(settings, run_id, flags, log=print):
         run_dir = settings.out / "runs" / run_id
@@ -449,7 +451,7 @@ def test_one_repeat_leaves_every_verdict_inconclusive_and_a_cannot_run_row_says_
 
 
 def test_report_only_needs_a_recorded_suite(tmp_path):
-    from litespark_megatron import efficiency
+    from litespark_megatron.apps import efficiency_suite as efficiency
     from litespark_megatron.arguments import UserError
 
     settings = efficiency.parse_settings(["--out", str(tmp_path / "none"), "--model", "tiny", "--report-only"])

@@ -1,4 +1,4 @@
-"""The HF data-parallel baseline (litespark_megatron.hf_parallel) on the CPU: DDP and FSDP2 on two ranks train what
+"""The HF data-parallel baseline (litespark_megatron.apps.hf_parallel) on the CPU: DDP and FSDP2 on two ranks train what
 one process trains, its rows in tools/layout_sweep.py say what trained, and what HF cannot run is refused in one line
 before anything is written."""
 import json
@@ -105,7 +105,7 @@ def test_an_hf_run_writes_tensorboard_under_megatron_trainings_tags(tmp_path):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_what_hf_cannot_run_is_refused_in_one_line(tmp_path, capsys, flags, message):
-    from litespark_megatron import hf_parallel
+    from litespark_megatron.apps import hf_parallel
 
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:

@@ -3,18 +3,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litespark_megatron.layers import kernels
+from litespark_megatron.layers import elementwise
 
 
 def test_swiglu_reference_is_silu_gate_times_up():
     x = torch.randn(3, 5, 16, dtype=torch.float64)
     gate, up = x[..., :8], x[..., 8:]
-    torch.testing.assert_close(kernels.swiglu_reference(x), gate * torch.sigmoid(gate) * up)
+    torch.testing.assert_close(elementwise.swiglu_reference(x), gate * torch.sigmoid(gate) * up)
 
 
 def test_rms_norm_reference_matches_torch():
     x, w = torch.randn(4, 7, 32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
-    torch.testing.assert_close(kernels.rms_norm_reference(x, w, 1e-5), F.rms_norm(x, (32,), w, 1e-5))
+    torch.testing.assert_close(elementwise.rms_norm_reference(x, w, 1e-5), F.rms_norm(x, (32,), w, 1e-5))
 
 
 def _rope_config(fusion=False):
@@ -34,12 +34,12 @@ def test_rope_reference_is_megatron_cores_rope(rotated):
     angles = torch.outer(torch.arange(s, dtype=torch.float64), inv)
     freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron-core's [s, 1, 1, r] layout
     expected = apply_rotary_pos_emb(t, freqs, config=_rope_config(), cp_group=object())
-    torch.testing.assert_close(kernels.rope_reference(t, freqs), expected)
+    torch.testing.assert_close(elementwise.rope_reference(t, freqs), expected)
     # RoPE at position 0 is the identity; at any position it keeps each rotated pair's norm.
     torch.testing.assert_close(expected[0], t[0])
     torch.testing.assert_close(expected[..., :rotated].norm(dim=-1), t[..., :rotated].norm(dim=-1))
-    assert kernels.rope_impl(t, _rope_config()) == "unfused"  # the CPU: megatron-core's own ops
-    assert kernels.rope_impl(t, _rope_config(fusion=True)) == "te"
+    assert elementwise.rope_impl(t, _rope_config()) == "unfused"  # the CPU: megatron-core's own ops
+    assert elementwise.rope_impl(t, _rope_config(fusion=True)) == "te"
 
 
 def _core_attention(d):
@@ -123,8 +123,8 @@ def test_prefix_attention_falls_back_where_cudnn_cannot_run():
 def test_swiglu_uses_te_where_te_is_installed():
     from litespark_megatron.platform import te_importable
 
-    assert kernels.swiglu_impl("cuda") == ("te" if te_importable() else "compiled")
-    assert kernels.swiglu_impl("cpu") == "reference"
+    assert elementwise.swiglu_impl("cuda") == ("te" if te_importable() else "compiled")
+    assert elementwise.swiglu_impl("cpu") == "reference"
 
 
 @pytest.mark.gpu
@@ -134,15 +134,15 @@ def test_fused_kernels_match_reference_on_cuda(dtype):
     tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
     x = torch.randn(64, 3, 256, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(64, 3, 128, device="cuda", dtype=dtype)
-    y = kernels.swiglu(x)
+    y = elementwise.swiglu(x)
     (dx,) = torch.autograd.grad(y, x, dy)
-    y_ref = kernels.swiglu_reference(x)
+    y_ref = elementwise.swiglu_reference(x)
     (dx_ref,) = torch.autograd.grad(y_ref, x, dy)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(dx, dx_ref, **tol)
     x = x.detach()
     w = torch.randn(256, device="cuda", dtype=dtype)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), kernels.rms_norm_reference(x, w, 1e-5), **tol)
+    torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-5), elementwise.rms_norm_reference(x, w, 1e-5), **tol)
 
 
 @pytest.mark.gpu
@@ -156,16 +156,16 @@ def test_compiled_rope_matches_reference_on_a_gpu_without_te(dtype, monkeypatch)
     freqs = torch.rand(s, 1, 1, d, device="cuda") * 100
     dy = torch.randn(s, b, h, d, device="cuda", dtype=dtype)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)  # as on a GPU without TE
-    assert kernels.rope_impl(t, _rope_config()) == "compiled"
-    y = kernels.rope(t, freqs, _rope_config())
+    assert elementwise.rope_impl(t, _rope_config()) == "compiled"
+    y = elementwise.rope(t, freqs, _rope_config())
     (dt,) = torch.autograd.grad(y, t, dy)
     # The truth in float64 from the same inputs: the compiled kernel rounds once at its end, the eager reference
     # after every op, so in bf16 each is compared with the truth (a few bf16 steps), not with the other.
     t64 = t.detach().double().requires_grad_()
-    y64 = kernels.rope_reference(t64, freqs.double())
+    y64 = elementwise.rope_reference(t64, freqs.double())
     (dt64,) = torch.autograd.grad(y64, t64, dy.double())
     tol = dict(atol=3e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
-    for out, grad in ((y, dt), (kernels.rope_reference(t, freqs), None)):
+    for out, grad in ((y, dt), (elementwise.rope_reference(t, freqs), None)):
         torch.testing.assert_close(out.double(), y64, **tol)
         if grad is not None:
             torch.testing.assert_close(grad.double(), dt64, **tol)

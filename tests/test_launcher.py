@@ -315,7 +315,7 @@ DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
 
 
 def check_layout(capsys, nnodes, *train_args):
-    from litespark_megatron import launch_check
+    from litespark_megatron.apps import launch_check
 
     rc = launch_check.main(["--prog", "check", "layout", "--nnodes", str(nnodes), "--nproc-per-node", "8",
                             "--assume-gpu", "--", *map(str, train_args), *DATA])
@@ -349,7 +349,7 @@ def test_layout_check_reads_the_config_file(tmp_path, capsys):
     config.write_text("model: tiny\ntensor-model-parallel-size: 2\nlr: 1.0e-3\ntrain-iters: 10\neval-interval: 10\n")
     rc, out, err = check_layout(capsys, 1, "--config", config, "--micro-batch-size", "1")
     assert rc == 0 and out == "8 cuda 9 2 1 1", err
-    from litespark_megatron import launch_check
+    from litespark_megatron.apps import launch_check
 
     rc = launch_check.main(["--prog", "check", "layout", "--nnodes", "1", "--nproc-per-node", "3", "--assume-gpu",
                             "--", "--config", str(config)])

@@ -1,9 +1,9 @@
-"""metrics/profile.py: kernel names (as seen on an H200 with TE 2.20 / torch 2.11) land in the right category; the
+"""apps/profile.py: kernel names (as seen on an H200 with TE 2.20 / torch 2.11) land in the right category; the
 summary's per-step arithmetic; the Markdown rendering. The profiler run itself is covered by the benchmark's CPU
 end-to-end test (--profile-steps)."""
 import pytest
 
-from litespark_megatron.metrics.profile import OTHER, category_ms, kernel_category, render, summarize
+from litespark_megatron.apps.profile import OTHER, category_ms, kernel_category, render, summarize
 
 KERNELS = {
     "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0":
@@ -62,7 +62,7 @@ def test_trace_summary_gpu_kernels_and_steps(tmp_path):
     import gzip
     import json
 
-    from litespark_megatron.metrics.profile import summarize_trace
+    from litespark_megatron.apps.profile import summarize_trace
 
     events = [{"ph": "X", "name": "ProfilerStep#4", "cat": "user_annotation", "ts": 0, "dur": 10000},
               {"ph": "X", "name": "ProfilerStep#5", "cat": "user_annotation", "ts": 10000, "dur": 10000},
@@ -85,7 +85,7 @@ def test_trace_summary_cpu_operators_count_self_time(tmp_path):
     """On a CPU trace (no kernels) an operator's self time is its duration minus the operators it calls."""
     import json
 
-    from litespark_megatron.metrics.profile import summarize_trace
+    from litespark_megatron.apps.profile import summarize_trace
 
     events = [{"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "ts": 0, "dur": 1000},
               {"ph": "X", "name": "aten::linear", "cat": "cpu_op", "ts": 0, "dur": 100, "pid": 1, "tid": 1},

@@ -1,4 +1,4 @@
-"""The scaling estimate (litespark_megatron/metrics/scaling.py, tools/scaling_estimate.py).
+"""The scaling estimate (litespark_megatron/apps/scaling_estimate.py, tools/scaling_estimate.py).
 
 Hand-computed collective times, bubble fractions, TP volumes and group placements; the DP2 check of
 docs/metrics.md recomputed (so the document cannot drift from the code); the command line's errors and sweeps.
@@ -15,7 +15,7 @@ from conftest import load_tool, run_error, run_json
 from conftest import preset
 from litespark_megatron.metrics.flops import ModelShape, param_count, training_flops_per_step
 from litespark_megatron.metrics.peaks import detect_peak
-from litespark_megatron.metrics.scaling import (
+from litespark_megatron.apps.scaling_estimate import (
     Interconnect,
     Layout,
     Measurement,
@@ -328,7 +328,7 @@ def test_value_errors():
 
 
 def test_import_does_not_load_torch():
-    code = ("import sys, litespark_megatron.metrics.scaling; "
+    code = ("import sys, litespark_megatron.apps.scaling_estimate; "
             "assert 'torch' not in sys.modules and 'megatron' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 

@@ -8,7 +8,7 @@
 Systems: hf-eager, hf-compile, litespark-bf16, litespark-fp8, stock-te-bf16, stock-te-fp8, litespark-local-bf16.
 Each runs in a fresh process; the table (printed last, and OUT/benchmark.md) gives tokens/s, TFLOP/s per GPU (full
 and causal attention), MFU, peak memory, GPU power and J/token, and the ratios to hf-eager; OUT/benchmark.json
-holds the raw numbers. The hf-* systems need `pip install transformers`. Details: litespark_megatron/benchmark.py.
+holds the raw numbers. The hf-* systems need `pip install transformers`. Details: litespark_megatron/apps/benchmark.py.
 Exit status: 0 all systems ran, 1 some failed (reported in the table), 2 bad input.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from litespark_megatron.benchmark import main  # noqa: E402
+from litespark_megatron.apps.benchmark import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,7 +42,7 @@ def _sizes(text: str):
 
 
 def build_parser():
-    from litespark_megatron.metrics._cli import OneLineParser, positive_int
+    from litespark_megatron.apps.cli import OneLineParser, positive_int
 
     p = OneLineParser(prog="comm_bandwidth", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mb", type=_sizes, default=[24.0, 256.0, 1024.0], help="each rank's input, MiB")

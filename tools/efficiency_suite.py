@@ -9,7 +9,7 @@ AEC, J/token and validation perplexity.
 Writes OUT/efficiency.md, efficiency.json, efficiency.csv, plots/*.png, tb/ (TensorBoard) and OUT/runs/<variant>/
 (each run's log.txt and metrics.jsonl). Interrupted: run the same command again; finished variants are skipped.
 Exit status: 0 all variants done, 1 some failed or ran out of memory, 2 bad input (nothing ran), 3 stopped by
---time-budget with variants left. Logic and definitions: litespark_megatron/efficiency.py, docs/metrics.md.
+--time-budget with variants left. Logic and definitions: litespark_megatron/apps/efficiency_suite.py, docs/metrics.md.
 """
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from litespark_megatron.efficiency import main  # noqa: E402
+from litespark_megatron.apps.efficiency_suite import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

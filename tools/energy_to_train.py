@@ -23,7 +23,7 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from litespark_megatron.metrics import _cli  # noqa: E402
+from litespark_megatron.apps import cli  # noqa: E402
 from litespark_megatron.metrics.energy import JOULES_PER_KWH  # noqa: E402
 from litespark_megatron.metrics.flops import CAUSAL_CONVENTIONS, param_count, training_flops_per_step  # noqa: E402
 
@@ -32,30 +32,30 @@ SECONDS_PER_DAY = 86400.0
 _MISSING = (None, "not measured")
 
 
-def build_parser() -> _cli.OneLineParser:
-    p = _cli.OneLineParser(prog="energy_to_train", description=__doc__.split("\n\n")[0])
+def build_parser() -> cli.OneLineParser:
+    p = cli.OneLineParser(prog="energy_to_train", description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("measured run")
     g.add_argument("--metrics", default=None, help="metrics.jsonl of a training run")
-    g.add_argument("--skip-records", type=_cli.non_negative_int, default=3,
+    g.add_argument("--skip-records", type=cli.non_negative_int, default=3,
                    help="records with a throughput to skip at the start (warm-up: compilation, allocator, "
                         "first data reads)")
     g = p.add_argument_group("assumed throughput and power (instead of, or over, the metrics file)")
-    g.add_argument("--tokens-per-sec-per-gpu", type=_cli.positive_float, default=None)
-    g.add_argument("--mfu", type=_cli.fraction, default=None,
+    g.add_argument("--tokens-per-sec-per-gpu", type=cli.positive_float, default=None)
+    g.add_argument("--mfu", type=cli.fraction, default=None,
                    help="assumed MFU (fraction); needs --model and --gpu/--peak-tflops")
     g.add_argument("--attention-convention", choices=["half", "full"], default="half",
                    help="FLOP convention the assumed --mfu is in (half: Megatron-LM causal; full: NeMo tables)")
-    g.add_argument("--gpu-power-w", type=_cli.positive_float, default=None,
+    g.add_argument("--gpu-power-w", type=cli.positive_float, default=None,
                    help="mean power per GPU while training, W")
-    _cli.add_model_args(p, required=False)
-    _cli.add_peak_args(p)
+    cli.add_model_args(p, required=False)
+    cli.add_peak_args(p)
     g = p.add_argument_group("target and cluster")
-    g.add_argument("--target-tokens", type=_cli.token_count, default=None, help="627e9, 627B, 1.5T, ...")
-    g.add_argument("--tokens-per-param", type=_cli.positive_float, default=None,
+    g.add_argument("--target-tokens", type=cli.token_count, default=None, help="627e9, 627B, 1.5T, ...")
+    g.add_argument("--tokens-per-param", type=cli.positive_float, default=None,
                    help="target = this x total parameters of --model (20: Chinchilla)")
-    g.add_argument("--nodes", type=_cli.positive_int, default=1)
-    g.add_argument("--gpus-per-node", type=_cli.positive_int, default=8)
-    g.add_argument("--scaling-efficiency", type=_cli.fraction, default=1.0,
+    g.add_argument("--nodes", type=cli.positive_int, default=1)
+    g.add_argument("--gpus-per-node", type=cli.positive_int, default=8)
+    g.add_argument("--scaling-efficiency", type=cli.fraction, default=1.0,
                    help="per-GPU throughput on the target cluster / per-GPU throughput measured or assumed "
                         "(assumption; 1.0 = perfect scaling)")
     g = p.add_argument_group("energy accounting and prices (all assumptions, printed)")
@@ -63,17 +63,17 @@ def build_parser() -> _cli.OneLineParser:
                    help="node energy / GPU energy: CPUs, memory, NICs, fans, local storage")
     g.add_argument("--pue", type=positive_at_least_one, default=1.2,
                    help="facility energy / IT energy (power usage effectiveness of the data center)")
-    g.add_argument("--grid-gco2-per-kwh", type=_cli.positive_float, default=None,
+    g.add_argument("--grid-gco2-per-kwh", type=cli.positive_float, default=None,
                    help="carbon intensity of the electricity, g CO2e per kWh")
-    g.add_argument("--price-per-gpu-hour", type=_cli.positive_float, default=None)
-    g.add_argument("--price-per-kwh", type=_cli.positive_float, default=None,
+    g.add_argument("--price-per-gpu-hour", type=cli.positive_float, default=None)
+    g.add_argument("--price-per-kwh", type=cli.positive_float, default=None,
                    help="electricity price, applied to facility energy")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
 
 def positive_at_least_one(text: str) -> float:
-    value = _cli.positive_float(text)
+    value = cli.positive_float(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"a factor >= 1 expected, got {text!r}")
     return value
@@ -84,9 +84,9 @@ def _field(record: dict, key: str, path: str, lineno: int) -> Optional[float]:
     if value in _MISSING:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _cli.UsageError(f"{path}:{lineno}: '{key}' is {value!r}, not a number")
+        raise cli.UsageError(f"{path}:{lineno}: '{key}' is {value!r}, not a number")
     if value < 0:
-        raise _cli.UsageError(f"{path}:{lineno}: '{key}' is negative ({value})")
+        raise cli.UsageError(f"{path}:{lineno}: '{key}' is negative ({value})")
     return float(value)
 
 
@@ -99,7 +99,7 @@ def read_metrics(path: str, skip: int) -> dict:
     """
     p = Path(path)
     if not p.is_file():
-        raise _cli.UsageError(f"--metrics {path}: no such file")
+        raise cli.UsageError(f"--metrics {path}: no such file")
     rows: List[dict] = []
     with open(p) as f:
         for lineno, line in enumerate(f, 1):
@@ -108,15 +108,15 @@ def read_metrics(path: str, skip: int) -> dict:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise _cli.UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise cli.UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
-                raise _cli.UsageError(f"{path}:{lineno}: expected a JSON object per line")
+                raise cli.UsageError(f"{path}:{lineno}: expected a JSON object per line")
             tps_gpu = _field(record, "tokens_per_sec_per_gpu", path, lineno)
             tps = _field(record, "tokens_per_sec", path, lineno)
             num_gpus = _field(record, "num_gpus", path, lineno)
             if tps_gpu is None and tps is not None:
                 if not num_gpus:
-                    raise _cli.UsageError(f"{path}:{lineno}: has tokens_per_sec but neither tokens_per_sec_per_gpu "
+                    raise cli.UsageError(f"{path}:{lineno}: has tokens_per_sec but neither tokens_per_sec_per_gpu "
                                           f"nor num_gpus")
                 tps_gpu = tps / num_gpus
             if not tps_gpu:
@@ -125,10 +125,10 @@ def read_metrics(path: str, skip: int) -> dict:
                              jpt=_field(record, "joules_per_token", path, lineno),
                              power=_field(record, "gpu_power_w", path, lineno)))
     if not rows:
-        raise _cli.UsageError(f"--metrics {path}: no record has tokens_per_sec_per_gpu (or tokens_per_sec with "
+        raise cli.UsageError(f"--metrics {path}: no record has tokens_per_sec_per_gpu (or tokens_per_sec with "
                               f"num_gpus)")
     if len(rows) <= skip:
-        raise _cli.UsageError(f"--metrics {path}: only {len(rows)} records with a throughput, all skipped as "
+        raise cli.UsageError(f"--metrics {path}: only {len(rows)} records with a throughput, all skipped as "
                               f"warm-up by --skip-records {skip}; lower --skip-records or train longer")
     steady = rows[skip:]
     tps_gpu = len(steady) / sum(1 / r["tps_gpu"] for r in steady)
@@ -155,18 +155,18 @@ def compute(args) -> dict:
     inputs = {}
     shape = None
     if args.model is not None:
-        shape = _cli.shape_from_cli(args)
+        shape = cli.shape_from_cli(args)
     metrics = read_metrics(args.metrics, args.skip_records) if args.metrics else None
 
     # Throughput per GPU.
     if args.tokens_per_sec_per_gpu is not None and args.mfu is not None:
-        raise _cli.UsageError("give --tokens-per-sec-per-gpu or --mfu, not both")
+        raise cli.UsageError("give --tokens-per-sec-per-gpu or --mfu, not both")
     if args.tokens_per_sec_per_gpu is not None:
         tps_gpu, tps_source = args.tokens_per_sec_per_gpu, "assumed (--tokens-per-sec-per-gpu)"
     elif args.mfu is not None:
         if shape is None:
-            raise _cli.UsageError("--mfu needs --model (to count FLOPs per token)")
-        peak = _cli.resolve_peak(args, "--mfu")
+            raise cli.UsageError("--mfu needs --model (to count FLOPs per token)")
+        peak = cli.resolve_peak(args, "--mfu")
         per_token = training_flops_per_step(shape, 1, causal=args.attention_convention).model_flops_per_token
         tps_gpu = args.mfu * peak.tflops * 1e12 / per_token
         tps_source = (f"assumed MFU {args.mfu:g} x peak {peak.tflops:g} TFLOP/s ({peak.mfu_basis}) / "
@@ -180,7 +180,7 @@ def compute(args) -> dict:
                       + (f"; measured on {', '.join(map(str, metrics['num_gpus']))} GPUs" if metrics["num_gpus"]
                          else ""))
     else:
-        raise _cli.UsageError("no throughput: give --metrics, --tokens-per-sec-per-gpu, or --mfu with --model and "
+        raise cli.UsageError("no throughput: give --metrics, --tokens-per-sec-per-gpu, or --mfu with --model and "
                               "--gpu")
 
     # Power per GPU.
@@ -190,21 +190,21 @@ def compute(args) -> dict:
         power, power_source = metrics["gpu_power_w"], f"{args.metrics}: {metrics['power_source']}"
     else:
         where = f"{args.metrics} has no joules_per_token or gpu_power_w" if metrics else "no metrics file"
-        raise _cli.UsageError(f"no GPU power: {where}; give --gpu-power-w")
+        raise cli.UsageError(f"no GPU power: {where}; give --gpu-power-w")
 
     # Target tokens.
     if args.target_tokens is not None and args.tokens_per_param is not None:
-        raise _cli.UsageError("give --target-tokens or --tokens-per-param, not both")
+        raise cli.UsageError("give --target-tokens or --tokens-per-param, not both")
     if args.target_tokens is not None:
         tokens, tokens_source = args.target_tokens, "--target-tokens"
     elif args.tokens_per_param is not None:
         if shape is None:
-            raise _cli.UsageError("--tokens-per-param needs --model (to count parameters)")
+            raise cli.UsageError("--tokens-per-param needs --model (to count parameters)")
         params = param_count(shape).total
         tokens = int(round(args.tokens_per_param * params))
         tokens_source = f"--tokens-per-param {args.tokens_per_param:g} x {params:,} total parameters of {args.model}"
     else:
-        raise _cli.UsageError("no target: give --target-tokens (e.g. 627B) or --tokens-per-param")
+        raise cli.UsageError("no target: give --target-tokens (e.g. 627B) or --tokens-per-param")
 
     gpus = args.nodes * args.gpus_per_node
     cluster_tps = tps_gpu * gpus * args.scaling_efficiency
@@ -273,7 +273,7 @@ def render(out: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return _cli.report_main(argv, build_parser(), compute, render)
+    return cli.report_main(argv, build_parser(), compute, render)
 
 
 if __name__ == "__main__":

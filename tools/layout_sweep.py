@@ -12,8 +12,8 @@ tokens/s per GPU to the first layout's (the first that trained, where an earlier
 Writes OUT/sweep.md and OUT/sweep.json.
 
 A layout whose FLAGS start with `hf-ddp` or `hf-fsdp2` trains HF transformers' Llama of the same shape and batch
-data-parallel instead (`litespark_megatron.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded; bf16
-parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
+data-parallel instead (`litespark_megatron.apps.hf_parallel`: torch DDP, or FSDP2 with every decoder layer sharded;
+bf16 parameters, gradients and AdamW states), measured and tabulated the same way, e.g. the baseline of a team without
 Megatron next to Litespark's layouts: `--layout "2:hf-fsdp2" --layout "2:hf-ddp" --layout "2:--tensor-model-parallel-size
 2 --sequence-parallel"`. Each row names what trained (spec and precision from its metrics' run record). HF layouts
 train on random tokens; megatron layouts beside them must too: `--random-tokens` writes one dataset of random tokens
@@ -108,7 +108,7 @@ def _hopper_or_older() -> bool:
 
 
 def steady_state(metrics: Path) -> dict:
-    from litespark_megatron.health import from_metrics
+    from litespark_megatron.backend_probe import from_metrics
 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("kind") == "train"][1:]  # the first interval holds warm-up/compilation
@@ -131,9 +131,9 @@ def is_hf(flags) -> bool:
 
 def data_error(layouts, shared, random_tokens: bool):
     """Why the sweep's data would make its rows incomparable, or None. The HF layouts train on random tokens; a
-    megatron layout beside them must too: on megatron-core's mock data (counting sequences) Litespark FP8 was
-    measured about 5% faster than on random tokens (one H200, different days), so such a table could favour the
-    megatron rows."""
+    megatron layout beside them must too: Litespark FP8's speed differs between megatron-core's mock data
+    (counting sequences) and random tokens (docs/benchmarks/2026-11-25-two-gpu-tp2-graphs-dp2-hf-pao-loss.md), so
+    such a table could favour the megatron rows."""
     hf = any(is_hf(flags) for _, flags in layouts)
     megatron = any(not is_hf(flags) for _, flags in layouts)
     layout_data = [f for _, flags in layouts for f in flags if f.split("=", 1)[0] in DATA_FLAGS]
@@ -153,7 +153,7 @@ def random_token_data(shared, args, prefix: Path):
     """The shared flags with --mock-data replaced by a dataset of random tokens: one step's sequences for each of
     --train-iters steps (the shape and batch of the shared flags, `args`; a layout that asks for more reads it
     again)."""
-    from litespark_megatron.benchmark import random_token_flags
+    from litespark_megatron.apps.benchmark import random_token_flags
 
     return random_token_flags(shared, args, str(prefix), args.global_batch_size * args.train_iters, args.seed)
 
@@ -225,9 +225,11 @@ def main(argv=None) -> int:
     for i, (nproc, flags) in enumerate(layouts):
         name = f"{i}_np{nproc}_" + ("_".join(f.lstrip("-") for f in flags) or "base")
         run_dir = out / name[:120]
-        trainer, own, common = (("litespark_megatron.hf_parallel", ["--parallel", flags[0][len("hf-"):], *flags[1:]],
-                                 shared) if is_hf(flags) else
-                                ("litespark_megatron", flags, megatron_shared))
+        if is_hf(flags):
+            trainer, own, common = ("litespark_megatron.apps.hf_parallel",
+                                    ["--parallel", flags[0][len("hf-"):], *flags[1:]], shared)
+        else:
+            trainer, own, common = "litespark_megatron", flags, megatron_shared
         # --standalone: torchrun binds its own free port and holds it (a port chosen here and bound later by the run
         # could be taken in between)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",

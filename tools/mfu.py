@@ -18,7 +18,7 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from litespark_megatron.metrics import _cli  # noqa: E402
+from litespark_megatron.apps import cli  # noqa: E402
 from litespark_megatron.metrics.flops import (  # noqa: E402
     CAUSAL_CONVENTIONS,
     param_count,
@@ -30,33 +30,33 @@ from litespark_megatron.metrics.peaks import mfu as mfu_of  # noqa: E402
 CONVENTION_LABEL = {"half": "causal-half (Megatron-LM)", "full": "full attention (NeMo tables)"}
 
 
-def build_parser() -> _cli.OneLineParser:
-    p = _cli.OneLineParser(prog="mfu", description=__doc__.split("\n\n")[0])
-    _cli.add_model_args(p, required=True)
-    _cli.add_recompute_args(p)
-    _cli.add_peak_args(p)
-    p.add_argument("--global-batch-size", type=_cli.positive_int, default=None,
+def build_parser() -> cli.OneLineParser:
+    p = cli.OneLineParser(prog="mfu", description=__doc__.split("\n\n")[0])
+    cli.add_model_args(p, required=True)
+    cli.add_recompute_args(p)
+    cli.add_peak_args(p)
+    p.add_argument("--global-batch-size", type=cli.positive_int, default=None,
                    help="sequences per optimizer step: adds per-step FLOPs")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--tokens-per-sec-per-gpu", type=_cli.positive_float, default=None,
+    g.add_argument("--tokens-per-sec-per-gpu", type=cli.positive_float, default=None,
                    help="measured training throughput per GPU -> achieved TFLOP/s and MFU")
-    g.add_argument("--mfu", type=_cli.fraction, default=None,
+    g.add_argument("--mfu", type=cli.fraction, default=None,
                    help="assumed MFU as a fraction (0.45) -> the tokens/s per GPU it implies")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
 
 def compute(args) -> dict:
-    shape = _cli.shape_from_cli(args)
+    shape = cli.shape_from_cli(args)
     try:
         recompute = recompute_from_args(args)
     except ValueError as e:
-        raise _cli.UsageError(str(e)) from None
+        raise cli.UsageError(str(e)) from None
     params = param_count(shape)
     # Per token: one sequence's worth of FLOPs divided by its tokens (global batch 1).
     per_token = {c: training_flops_per_step(shape, 1, causal=c, **recompute) for c in ("half", "full")}
     out = {
-        "model": {"preset": args.model, "description": _cli.describe_shape(args.model, shape),
+        "model": {"preset": args.model, "description": cli.describe_shape(args.model, shape),
                   "num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
                   "ffn_hidden_size": shape.ffn_hidden_size, "num_attention_heads": shape.num_attention_heads,
                   "num_query_groups": shape.num_query_groups, "kv_channels": shape.kv_channels,
@@ -79,9 +79,9 @@ def compute(args) -> dict:
                                     for c, f in step.items()}}
     if args.tokens_per_sec_per_gpu is None and args.mfu is None:
         if args.gpu is not None or args.peak_tflops is not None:
-            out["peak"] = _cli.resolve_peak(args, "the peak").as_dict()
+            out["peak"] = cli.resolve_peak(args, "the peak").as_dict()
         return out
-    peak = _cli.resolve_peak(args, "--tokens-per-sec-per-gpu/--mfu")
+    peak = cli.resolve_peak(args, "--tokens-per-sec-per-gpu/--mfu")
     out["peak"] = peak.as_dict()
     if args.tokens_per_sec_per_gpu is not None:
         tps = args.tokens_per_sec_per_gpu
@@ -104,25 +104,25 @@ def compute(args) -> dict:
 def render(out: dict) -> str:
     lines = [f"model {out['model']['description']}"]
     p = out["params"]
-    lines.append(f"parameters: {_cli.fmt_int(p['total'])} total = embedding {_cli.fmt_int(p['embedding'])} + "
-                 f"output layer {_cli.fmt_int(p['output_layer'])} + transformer layers "
-                 f"{_cli.fmt_int(p['transformer_layers'])} + final norm {_cli.fmt_int(p['final_norm'])}")
+    lines.append(f"parameters: {cli.fmt_int(p['total'])} total = embedding {cli.fmt_int(p['embedding'])} + "
+                 f"output layer {cli.fmt_int(p['output_layer'])} + transformer layers "
+                 f"{cli.fmt_int(p['transformer_layers'])} + final norm {cli.fmt_int(p['final_norm'])}")
     if p["active"] != p["total"]:
-        lines.append(f"  active per token (MoE: top-k experts only): {_cli.fmt_int(p['active'])}")
+        lines.append(f"  active per token (MoE: top-k experts only): {cli.fmt_int(p['active'])}")
     lines.append("training FLOPs per token (forward + backward = 3 x forward; matrix multiplications only):")
     half, full = out["flops_per_token"]["half"], out["flops_per_token"]["full"]
     lines.append(f"  {'part':<31}{CONVENTION_LABEL['half']:>26}{CONVENTION_LABEL['full']:>31}")
     for part, value in full["model_breakdown"].items():
         if value:
-            lines.append(f"  {part:<31}{_cli.fmt_int(half['model_breakdown'][part]):>26}{_cli.fmt_int(value):>31}")
-    lines.append(f"  {'total (model FLOPs)':<31}{_cli.fmt_int(half['model']):>26}{_cli.fmt_int(full['model']):>31}")
+            lines.append(f"  {part:<31}{cli.fmt_int(half['model_breakdown'][part]):>26}{cli.fmt_int(value):>31}")
+    lines.append(f"  {'total (model FLOPs)':<31}{cli.fmt_int(half['model']):>26}{cli.fmt_int(full['model']):>31}")
     if out["recompute"]:
         lines.append(f"  {'hardware (' + out['recompute'] + ' recompute)':<31}"
-                     f"{_cli.fmt_int(half['hardware']):>26}{_cli.fmt_int(full['hardware']):>31}")
+                     f"{cli.fmt_int(half['hardware']):>26}{cli.fmt_int(full['hardware']):>31}")
     step = out["flops_per_step"]
     if step:
         lines.append(f"training FLOPs per step (global batch {step['global_batch_size']} = "
-                     f"{_cli.fmt_int(step['tokens'])} tokens):")
+                     f"{cli.fmt_int(step['tokens'])} tokens):")
         for c in ("half", "full"):
             lines.append(f"  {CONVENTION_LABEL[c]:<30} {step[c]['model']:.6e}"
                          + (f"  (hardware {step[c]['hardware']:.6e})" if out["recompute"] else ""))
@@ -153,7 +153,7 @@ def render(out: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return _cli.report_main(argv, build_parser(), compute, render)
+    return cli.report_main(argv, build_parser(), compute, render)
 
 
 if __name__ == "__main__":

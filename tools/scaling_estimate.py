@@ -23,9 +23,9 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from litespark_megatron.metrics import _cli  # noqa: E402
+from litespark_megatron.apps import cli  # noqa: E402
 from litespark_megatron.metrics.flops import training_flops_per_step  # noqa: E402
-from litespark_megatron.metrics.scaling import (  # noqa: E402
+from litespark_megatron.apps.scaling_estimate import (  # noqa: E402
     BREAKDOWN_KEYS,
     CX7_400G_GBPS_PER_GPU,
     NCCL_BUS_EFFICIENCY,
@@ -51,11 +51,11 @@ BREAKDOWN_LABEL = {
 
 
 def latency(text: str) -> float:
-    return _cli._number(text, float, "a latency in microseconds >= 0", allow_zero=True)
+    return cli.number(text, float, "a latency in microseconds >= 0", allow_zero=True)
 
 
 def milliseconds(text: str) -> float:
-    return _cli._number(text, float, "milliseconds >= 0", allow_zero=True)
+    return cli.number(text, float, "milliseconds >= 0", allow_zero=True)
 
 
 def node_list(text: str) -> List[int]:
@@ -66,17 +66,17 @@ def node_list(text: str) -> List[int]:
     return [int(t) for t in items]
 
 
-def build_parser() -> _cli.OneLineParser:
-    p = _cli.OneLineParser(prog="scaling_estimate", description=__doc__.split("\n\n")[0])
-    _cli.add_model_args(p, required=True)
+def build_parser() -> cli.OneLineParser:
+    p = cli.OneLineParser(prog="scaling_estimate", description=__doc__.split("\n\n")[0])
+    cli.add_model_args(p, required=True)
     g = p.add_argument_group("batch")
-    g.add_argument("--global-batch-size", type=_cli.positive_int, required=True, help="sequences per step")
-    g.add_argument("--micro-batch-size", type=_cli.positive_int, default=2, help="as litespark-train (default 2)")
+    g.add_argument("--global-batch-size", type=cli.positive_int, required=True, help="sequences per step")
+    g.add_argument("--micro-batch-size", type=cli.positive_int, default=2, help="as litespark-train (default 2)")
     g = p.add_argument_group("parallel layout (litespark-train flags)")
-    g.add_argument("--tensor-model-parallel-size", type=_cli.positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_cli.positive_int, default=1)
-    g.add_argument("--context-parallel-size", type=_cli.positive_int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_cli.positive_int, default=None)
+    g.add_argument("--tensor-model-parallel-size", type=cli.positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=cli.positive_int, default=1)
+    g.add_argument("--context-parallel-size", type=cli.positive_int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=cli.positive_int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -90,39 +90,39 @@ def build_parser() -> _cli.OneLineParser:
     g.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True,
                    help="fp32 gradient buffers and reduction (what litespark-train does)")
     g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", type=_cli.positive_int, default=None, help="default 1")
-    g.add_argument("--gpus-per-node", type=_cli.positive_int, default=8)
+    g.add_argument("--nodes", type=cli.positive_int, default=None, help="default 1")
+    g.add_argument("--gpus-per-node", type=cli.positive_int, default=8)
     g.add_argument("--sweep-nodes", type=node_list, default=None, help="node counts, e.g. 1,8,64: prints a table")
     g = p.add_argument_group("interconnect (bandwidths in GB/s = gigabytes, per GPU per direction)")
-    g.add_argument("--nvlink-gbps", type=_cli.positive_float, default=NVLINK4_GBPS_PER_DIRECTION,
+    g.add_argument("--nvlink-gbps", type=cli.positive_float, default=NVLINK4_GBPS_PER_DIRECTION,
                    help="NVLink line rate per GPU per direction (default: NVLink 4, 900 GB/s bidirectional)")
     g.add_argument("--nvlink-latency-us", type=latency, default=NVLINK_STEP_LATENCY_US,
                    help="per ring step over NVLink (default: NCCL's tuning model)")
-    g.add_argument("--ib-gbps-per-gpu", type=_cli.positive_float, default=CX7_400G_GBPS_PER_GPU,
+    g.add_argument("--ib-gbps-per-gpu", type=cli.positive_float, default=CX7_400G_GBPS_PER_GPU,
                    help="network line rate per GPU per direction (default: one 400 Gb/s NIC per GPU = 50 GB/s)")
     g.add_argument("--ib-latency-us", type=latency, default=NETWORK_STEP_LATENCY_US,
                    help="per ring step over the network (default: NCCL's tuning model)")
-    g.add_argument("--bus-efficiency", type=_cli.fraction, default=NCCL_BUS_EFFICIENCY,
+    g.add_argument("--bus-efficiency", type=cli.fraction, default=NCCL_BUS_EFFICIENCY,
                    help="fraction of the line rate NCCL reaches (default 0.8: its ~20%% protocol overhead)")
     g.add_argument("--host-ms-per-layer", type=milliseconds, default=0.0,
                    help="the host's time to launch one layer's forward and backward for a micro-batch, ms: a floor on "
                         "a stage's micro-batch (default 0; docs/planner.md gives measured values)")
-    g.add_argument("--hbm-tbps", type=_cli.positive_float, default=None,
+    g.add_argument("--hbm-tbps", type=cli.positive_float, default=None,
                    help="peak HBM bandwidth for the optimizer-step model (default: the datasheet value of --gpu)")
     g = p.add_argument_group("single-GPU measurement (one of the first two)")
     m = g.add_mutually_exclusive_group(required=True)
-    m.add_argument("--measured-tokens-per-sec-per-gpu", type=_cli.positive_float, default=None)
-    m.add_argument("--measured-mfu", type=_cli.fraction, default=None,
+    m.add_argument("--measured-tokens-per-sec-per-gpu", type=cli.positive_float, default=None)
+    m.add_argument("--measured-mfu", type=cli.fraction, default=None,
                    help="measured MFU (fraction) in --attention-convention")
-    g.add_argument("--measured-seq-length", type=_cli.positive_int, default=None, help="default --seq-length")
-    g.add_argument("--measured-micro-batch-size", type=_cli.positive_int, default=None,
+    g.add_argument("--measured-seq-length", type=cli.positive_int, default=None, help="default --seq-length")
+    g.add_argument("--measured-micro-batch-size", type=cli.positive_int, default=None,
                    help="default --micro-batch-size")
-    g.add_argument("--measured-global-batch-size", type=_cli.positive_int, default=None,
+    g.add_argument("--measured-global-batch-size", type=cli.positive_int, default=None,
                    help="default --global-batch-size")
-    g.add_argument("--optimizer-step-ms", type=_cli.positive_float, default=None,
+    g.add_argument("--optimizer-step-ms", type=cli.positive_float, default=None,
                    help="measured optimizer-step time of the single-GPU run (default: modelled from its memory "
                         "traffic at --hbm-tbps)")
-    _cli.add_peak_args(p)
+    cli.add_peak_args(p)
     p.add_argument("--attention-convention", choices=["half", "full"], default="full",
                    help="FLOP convention of the MFU printed and of --measured-mfu (default full)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -130,10 +130,10 @@ def build_parser() -> _cli.OneLineParser:
 
 
 def _inputs(args):
-    shape = _cli.shape_from_cli(args)
-    peak = _cli.resolve_peak(args, "the estimate")
+    shape = cli.shape_from_cli(args)
+    peak = cli.resolve_peak(args, "the estimate")
     if args.nodes is not None and args.sweep_nodes is not None:
-        raise _cli.UsageError("give --nodes or --sweep-nodes, not both")
+        raise cli.UsageError("give --nodes or --sweep-nodes, not both")
     try:
         layout = Layout(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -148,14 +148,14 @@ def _inputs(args):
                           ib_gbps_per_gpu=args.ib_gbps_per_gpu, ib_latency_us=args.ib_latency_us,
                           bus_efficiency=args.bus_efficiency, gpus_per_node=args.gpus_per_node)
     except ScalingError as e:
-        raise _cli.UsageError(str(e)) from None
+        raise cli.UsageError(str(e)) from None
     if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise _cli.UsageError("--overlap-param-gather needs --use-distributed-optimizer")
+        raise cli.UsageError("--overlap-param-gather needs --use-distributed-optimizer")
     seq1 = args.measured_seq_length or shape.seq_length
     mb1 = args.measured_micro_batch_size or args.micro_batch_size
     gbs1 = args.measured_global_batch_size or args.global_batch_size
     if gbs1 % mb1:
-        raise _cli.UsageError(f"the measured global batch {gbs1} is not a multiple of its micro-batch {mb1}")
+        raise cli.UsageError(f"the measured global batch {gbs1} is not a multiple of its micro-batch {mb1}")
     if args.measured_mfu is not None:
         shape1 = dataclasses.replace(shape, seq_length=seq1)
         per_token = training_flops_per_step(shape1, 1, causal=args.attention_convention).model_flops_per_token
@@ -169,7 +169,7 @@ def _inputs(args):
     if hbm is None and args.optimizer_step_ms is None:
         hbm = hbm_tbps_for(args.gpu)
         if hbm is None:
-            raise _cli.UsageError(f"no datasheet HBM bandwidth for {args.gpu or 'this GPU'!s}: pass --hbm-tbps "
+            raise cli.UsageError(f"no datasheet HBM bandwidth for {args.gpu or 'this GPU'!s}: pass --hbm-tbps "
                                   f"(TB/s) or --optimizer-step-ms (the single-GPU run's measured optimizer step)")
     return shape, peak, layout, ic, measured, hbm
 
@@ -186,10 +186,10 @@ def compute(args) -> dict:
                            host_s_per_layer=args.host_ms_per_layer / 1e3)
         except ScalingError as e:
             where = f" at {n} node{'s' if n > 1 else ''} ({n * ic.gpus_per_node} GPUs)" if args.sweep_nodes else ""
-            raise _cli.UsageError(f"{e}{where}") from None
+            raise cli.UsageError(f"{e}{where}") from None
         results.append(est.as_dict())
     return {
-        "model": {"preset": args.model, "description": _cli.describe_shape(args.model, shape)},
+        "model": {"preset": args.model, "description": cli.describe_shape(args.model, shape)},
         "layout": dataclasses.asdict(layout),
         "batch": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                   "seq_length": shape.seq_length},
@@ -281,7 +281,7 @@ def render_table(estimates: List[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return _cli.report_main(argv, build_parser(), compute, render)
+    return cli.report_main(argv, build_parser(), compute, render)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def speed_check(row: dict) -> dict:
     """The planner's estimate of a multi-GPU row (plan.speed: the scaling estimate with the host floor) from its
     machine's one-GPU row, with the datasheet's links."""
     from ..metrics.peaks import detect_peak
-    from ..metrics.scaling import Interconnect, Measurement
+    from .scaling_estimate import Interconnect, Measurement
     from .plan import speed
 
     base = row["group"]["rows"][row["baseline"]]

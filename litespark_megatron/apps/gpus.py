@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UserError
-from ..metrics.scaling import CX7_400G_GBPS_PER_GPU, NVLINK4_GBPS_PER_DIRECTION
+from .scaling_estimate import CX7_400G_GBPS_PER_GPU, NVLINK4_GBPS_PER_DIRECTION
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Accelerator:
 
 
 ACCELERATORS = {
-    # HGX/DGX nodes: NVLink 4 through NVSwitch, one 400 Gb/s NIC per GPU (metrics.scaling's defaults)
+    # HGX/DGX nodes: NVLink 4 through NVSwitch, one 400 Gb/s NIC per GPU (scaling_estimate.s defaults)
     "H100": Accelerator("H100", 81_559 / 1024, "H100-SXM", 3.35, True, NVLINK4_GBPS_PER_DIRECTION,
                         CX7_400G_GBPS_PER_GPU),
     "H200": Accelerator("H200", 143_771 / 1024, "H200", 4.8, True, NVLINK4_GBPS_PER_DIRECTION,

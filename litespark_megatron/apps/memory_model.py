@@ -42,7 +42,7 @@ from typing import List, Optional
 
 from ..errors import UserError
 from ..metrics.flops import ModelShape
-from ..metrics.scaling import stage_layers, stage_parameters
+from .scaling_estimate import stage_layers, stage_parameters
 
 GIB = 2 ** 30
 # Bytes per logit element that the loss holds at its peak, for 16-bit logits. unfused: the bf16 logits and their

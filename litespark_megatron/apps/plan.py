@@ -7,7 +7,7 @@ Every flag litespark-plan does not know is a litespark-train flag (model, precis
 given; a layout flag among them (--tensor-model-parallel-size 2, --micro-batch-size 4, ...) fixes that dimension.
 The plan enumerates the layouts of the GPUs and keeps those litespark-train's own checks accept (layouts.py), drops
 those the memory model says do not fit (memory_model.py), ranks the rest by the scaling estimate's tokens/s per GPU
-(metrics/scaling.py, carried from one GPU's rate: measured, or an MFU measured on these GPUs) and prints the best
+(apps/scaling_estimate.py, carried from one GPU's rate: measured, or an MFU measured on these GPUs) and prints the best
 with their predicted tokens/s per GPU, peak memory and flags. A plan that cannot fit says what would: more GPUs, FP8
 with the precision-aware optimizer, recomputation. --verify K trains the best K for a few steps on this machine
 (tools/layout_sweep.py) and prints what was measured beside what was predicted. docs/planner.md gives the formulas
@@ -45,7 +45,7 @@ SWEEP = Path(__file__).resolve().parents[2] / "tools" / "layout_sweep.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..metrics._cli import OneLineParser, positive_float, positive_int
+    from .cli import OneLineParser, positive_float, positive_int
 
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                       epilog="Every other flag is litespark-train's (see litespark-train --help).")
@@ -88,7 +88,7 @@ def platform_of(gpu: Accelerator):
 
 
 def interconnect(opts, gpu: Accelerator):
-    from ..metrics.scaling import NCCL_BUS_EFFICIENCY, Interconnect
+    from .scaling_estimate import NCCL_BUS_EFFICIENCY, Interconnect
 
     link, network = opts.nvlink_gbps or gpu.link_gbps, opts.network_gbps_per_gpu or gpu.network_gbps
     if opts.comm_bandwidth is None:
@@ -119,7 +119,7 @@ def one_gpu_rate(opts, args, shape, gpu: Accelerator):
     """(the scaling estimate's Measurement, its Peak, where the rate comes from)."""
     from ..metrics.flops import training_flops_per_step
     from ..metrics.peaks import Peak, detect_peak
-    from ..metrics.scaling import Measurement
+    from .scaling_estimate import Measurement
 
     precision = "fp8" if args.fp8 else "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if gpu.cpu:
@@ -175,7 +175,7 @@ def speed(args, setup, nodes: int, measured, peak, ic, gpu: Accelerator, host_ms
     """The scaling estimate of a checked layout (its ScalingEstimate), with full recomputation's extra forward
     charged at the measured FLOP rate (the measurement is taken as one without recomputation)."""
     from ..metrics.flops import recompute_from_args, training_flops_per_step
-    from ..metrics.scaling import Layout, estimate
+    from .scaling_estimate import Layout, estimate
 
     layout = Layout(tensor_model_parallel_size=setup.tp, pipeline_model_parallel_size=setup.pp,
                     context_parallel_size=setup.cp,
@@ -196,7 +196,7 @@ def speed(args, setup, nodes: int, measured, peak, ic, gpu: Accelerator, host_ms
 def evaluate(args, world, opts, named, plat, usable_gib, rate=None) -> tuple:
     """(every checked layout of `world` GPUs, the refusals (candidate, reason)); with `rate` (measured, peak, ic,
     gpu, host_ms) the layouts that fit get their speed."""
-    from ..metrics.scaling import ScalingError
+    from .scaling_estimate import ScalingError
 
     evaluated, refused = [], []
     for candidate in layouts.candidates(args, world, opts.gpus_per_node, named):

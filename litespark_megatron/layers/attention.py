@@ -28,7 +28,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .kernels import rope
+from .elementwise import rope
 from .prefix_attention import prefix_causal_attention
 
 

@@ -1,7 +1,7 @@
 """Litespark MLP: the Llama SwiGLU feed-forward, fc2(silu(gate) * up), as a Megatron-Core MLP module.
 
 The gate and up projections are one GEMM (megatron-core's `linear_fc1` with the GLU layout: each TP rank holds
-[gate_r; up_r]), the SwiGLU is one fused elementwise kernel (see kernels.py), and fc2 is a row-parallel GEMM.
+[gate_r; up_r]), the SwiGLU is one fused elementwise kernel (see elementwise.py), and fc2 is a row-parallel GEMM.
 On the te backend fc1 also carries the pre-MLP RMSNorm (TE's LayerNormLinear), so norm + fc1 is one module.
 Parameters and their layout are megatron-core's, so checkpoints are interchangeable with the stock specs.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from . import kernels
+from . import elementwise
 
 
 class LitesparkMLP(MLP):
@@ -26,4 +26,4 @@ class LitesparkMLP(MLP):
     def forward(self, hidden_states, **unused):
         # TransformerLayer also passes padding_mask=...; padding is handled by the loss mask, not here.
         gate_up, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(kernels.swiglu(gate_up))
+        return self.linear_fc2(elementwise.swiglu(gate_up))

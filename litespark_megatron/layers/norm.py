@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.rms_norm import rms_norm
-from . import kernels
+from . import elementwise
 
 
 class LitesparkRMSNorm(torch.nn.Module):
@@ -22,7 +22,7 @@ class LitesparkRMSNorm(torch.nn.Module):
         super().__init__()
         if kernel not in ("default", "litespark"):
             raise ValueError(f"unknown RMSNorm kernel '{kernel}'; choose 'default' or 'litespark'")
-        self._norm = rms_norm if kernel == "litespark" else kernels.rms_norm
+        self._norm = rms_norm if kernel == "litespark" else elementwise.rms_norm
         self.eps = eps
         # --apply-layernorm-1p (Megatron-LM's zero-centered gamma): the norm scales by 1 + weight, weight from 0.
         self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)

@@ -36,7 +36,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from .attention import LitesparkSelfAttention
-from .kernels import rope
+from .elementwise import rope
 
 FLA_VERSION = "0.6.0"  # the fla-core whose branch definitions nsa_reference follows (setup.py's `nsa` extra)
 
@@ -182,13 +182,13 @@ class LitesparkNSACoreAttention(MegatronModule):
         return nsa(q, k, v, g, self.settings, self.softmax_scale).transpose(0, 1).reshape(s, b, -1)
 
     def observed_attention(self, query):
-        """What ran, for health.py's probe."""
-        from .. import health
+        """What ran, for backend_probe.py."""
+        from .. import backend_probe
 
         if query.is_cuda:
-            return health.AttentionUse(f"NSA: fla-core {FLA_VERSION} Triton (compressed, selected) + torch "
+            return backend_probe.AttentionUse(f"NSA: fla-core {FLA_VERSION} Triton (compressed, selected) + torch "
                                        "FlexAttention (window)", "fused")
-        return health.AttentionUse("NSA: torch reference (dense masks)", "unfused")
+        return backend_probe.AttentionUse("NSA: torch reference (dense masks)", "unfused")
 
 
 class LitesparkNSASelfAttention(LitesparkSelfAttention):

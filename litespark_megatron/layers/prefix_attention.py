@@ -3,12 +3,10 @@
 Under context parallelism a rank attends each of its query chunks to every key up to the chunk's end, so the causal
 diagonal sits at the end of the keys (bottom-right). torch's SDPA reaches that mask only through its lower-right
 `CausalBias`, which runs FlashAttention-2; cuDNN's Hopper kernels run the usual square causal mask and unmasked
-attention 1.4-1.5x faster (measured on an H200: 4096 queries of 32 heads against 8,192-16,384 keys of 8 KV heads,
-forward + backward, 251-272 TFLOP/s with the lower-right bias against 346-415 TFLOP/s split as below;
-docs/benchmarks/2026-11-22-context-parallelism.md). So on CUDA the chunk is split into an unmasked part (the keys
-before the chunk) and a square causal part (the chunk's own keys), each a cuDNN call, merged with their
-log-sum-exps; the backward runs each part's cuDNN backward with the merged output and log-sum-exp, which is the
-exact gradient of the whole softmax (as ring attention does). Elsewhere (CPU, attention dropout, shapes cuDNN
+attention faster (docs/benchmarks/2026-11-22-context-parallelism.md). So on CUDA the chunk is split into an unmasked
+part (the keys before the chunk) and a square causal part (the chunk's own keys), each a cuDNN call, merged with
+their log-sum-exps; the backward runs each part's cuDNN backward with the merged output and log-sum-exp, which is
+the exact gradient of the whole softmax (as ring attention does). Elsewhere (CPU, attention dropout, shapes cuDNN
 refuses) SDPA with the lower-right mask.
 """
 from __future__ import annotations

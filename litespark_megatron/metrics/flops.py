@@ -269,7 +269,7 @@ class FlopBreakdown:
         return FlopBreakdown(**{k: v * factor for k, v in self.as_dict().items()})
 
 
-def _layer_forward_per_sequence(shape: ModelShape, index: int, causal: str) -> FlopBreakdown:
+def layer_forward_per_sequence(shape: ModelShape, index: int, causal: str) -> FlopBreakdown:
     """Forward FLOPs of transformer layer ``index`` for one sequence of seq_length tokens (exact integers)."""
     s, h, n = shape.seq_length, shape.hidden_size, shape.num_attention_heads
     if shape.mla is None:
@@ -313,7 +313,7 @@ def _layer_forward_per_sequence(shape: ModelShape, index: int, causal: str) -> F
 def _forward_per_sequence(shape: ModelShape, causal: str) -> FlopBreakdown:
     total = FlopBreakdown()
     for i in range(shape.num_layers):
-        total = total + _layer_forward_per_sequence(shape, i, causal)
+        total = total + layer_forward_per_sequence(shape, i, causal)
     # The output layer (logits) GEMM runs whether or not its weight is tied to the embedding.
     return total + FlopBreakdown(logits=2 * shape.seq_length * shape.hidden_size * shape.vocab_size)
 
@@ -383,11 +383,11 @@ def training_flops_per_step(shape: ModelShape, global_batch_size: int, causal: s
         if layers and not 0 <= layers[0] <= layers[-1] < shape.num_layers:
             raise ValueError(f"recomputed_layers must be layer indices in [0, {shape.num_layers}), got {layers}")
         for i in layers:
-            extra = extra + _layer_forward_per_sequence(shape, i, causal)
+            extra = extra + layer_forward_per_sequence(shape, i, causal)
     elif recompute == "selective":
         layers = list(range(shape.num_layers))
         for i in layers:
-            layer = _layer_forward_per_sequence(shape, i, causal)
+            layer = layer_forward_per_sequence(shape, i, causal)
             extra = extra + FlopBreakdown(attn_scores=layer.attn_scores, attn_values=layer.attn_values)
     # Per-sequence counts are integers; keep them integers so the per-step totals are exact.
     model = forward.scaled(3 * global_batch_size)

@@ -455,7 +455,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
                 # megatron-core saves a GLU fc1 as its two halves [gate; up], views of the parameter, which the
                 # checkpoint writer copies into process memory (about half of a Llama's layer weights). Saved
                 # whole, fc1 is written from its file as is; a checkpoint stores chunks of a tensor, and a GLU
-                # model reads its halves from them in any layout (tests/test_hf.py loads it in TP2 x PP2).
+                # model reads its halves from them in any layout (tests/test_hf_convert.py loads it in TP2 x PP2).
                 model.config.gated_linear_unit = False
                 with contextlib.redirect_stdout(sys.stderr if not quiet else io.StringIO()):
                     save_checkpoint(0, [model], None, None, 0, release=True)
@@ -586,12 +586,12 @@ def hf_config(args, shape: Shape, vocab: int, dtype: torch.dtype, tokenizer=None
     special = {"bos_token_id": None, "eos_token_id": None}  # unknown without the run's tokenizer
     if tokenizer is not None:
         tok, directory = tokenizer
-        from .data import _special_token_name
+        from .data import special_token_name
 
         bos = None
         path = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(path):
-            bos = tok.vocab.get(_special_token_name(_json(path, "the tokenizer's config").get("bos_token")))
+            bos = tok.vocab.get(special_token_name(_json(path, "the tokenizer's config").get("bos_token")))
         special = {"bos_token_id": bos, "eos_token_id": tok.eod}
     return LlamaConfig(vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
                        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,

@@ -4,14 +4,14 @@ A multi-node launch that cannot work otherwise fails late and obscurely: after a
 first collective, or with a traceback from one rank out of hundreds. These checks make it fail in seconds, on the
 node that is wrong, with one line that says what to change.
 
-    python -m litespark_megatron.launch_check layout --nnodes N --nproc-per-node auto|P -- TRAIN_ARGS...
+    python -m litespark_megatron.apps.launch_check layout --nnodes N --nproc-per-node auto|P -- TRAIN_ARGS...
         Resolves the processes per node (every visible GPU, or one process on a CPU-only node), checks them against
         the visible GPUs, then checks the training arguments (the trainer's own checks: arguments.check and
         Megatron-LM's validation) for the world size NNODES x P that the launcher will start. Prints one line for the launcher,
         `NPROC DEVICE ARCH TP PP CP` (ARCH: the GPU's compute capability major, 0 on CPU), also when a check
         fails, so that the launcher can still record the command it resolved.
 
-    python -m litespark_megatron.launch_check master --addr HOST --port PORT --node-rank R --wait SECONDS
+    python -m litespark_megatron.apps.launch_check master --addr HOST --port PORT --node-rank R --wait SECONDS
         Resolves HOST. Node 0 (which hosts the rendezvous) checks that PORT is free here; every other node waits,
         at most SECONDS, until HOST:PORT accepts a TCP connection.
 
@@ -37,7 +37,7 @@ class LaunchError(Exception):
 # --------------------------------------------------------------------------------------------- layout
 def _visible_gpus():
     """(device, gpu count, compute capability major, te importable, fp8 capable) of this node."""
-    from . import platform
+    from .. import platform
 
     plat = platform.detect()
     if plat.device_type != "cuda":
@@ -59,8 +59,8 @@ def _nproc(requested: str, device: str, gpus: int) -> int:
 def check_layout(nnodes: int, nproc: int, device: str, gpus: int, train_args: Sequence[str], *,
                  te: bool, fp8_capable: bool, assumed: bool = False):
     """Raise LaunchError (or the trainer's ConfigError) for a launch that cannot run; return the resolved args."""
-    from . import arguments
-    from .platform import Platform
+    from .. import arguments
+    from ..platform import Platform
 
     if device == "cuda" and not assumed and nproc > gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -102,7 +102,7 @@ def layout_main(opts, train_args: List[str]) -> int:
         except ImportError as e:
             return _fail(opts.prog, f"cannot import {e.name or e} with {sys.executable}: set PYTHON to the "
                                     "interpreter where litespark-megatron is installed (pip install -e .)")
-    from .errors import UserError
+    from ..errors import UserError
 
     try:
         nproc = _nproc(opts.nproc_per_node, device, gpus)
@@ -208,7 +208,7 @@ def _fail(prog: str, message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m litespark_megatron.launch_check",
+    p = argparse.ArgumentParser(prog="python -m litespark_megatron.apps.launch_check",
                                 description="Pre-launch checks of scripts/pretrain.sh (see the module docstring).")
     p.add_argument("--prog", default="launch_check", help="name printed in front of errors")
     sub = p.add_subparsers(dest="command", required=True)

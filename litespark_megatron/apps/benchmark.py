@@ -3,14 +3,13 @@
     python tools/benchmark.py --out runs/bench      # llama-3b, seq 4096, micro-batch 2, the five default systems
     python tools/benchmark.py --systems hf-eager,litespark-bf16 --best-micro-batch --global-batch-size 8
 
-Every system trains the same model shape on random tokens, uniform over the vocabulary (same sequence length,
-same tokens per optimizer step; the megatron systems read them from an indexed dataset written once per benchmark,
-the HF systems draw them in the worker). Token values do change FP8 speed: on megatron-core's mock dataset
-(counting sequences, which a model learns within steps) Litespark FP8 ran 1-4% slower and less repeatably than on
-random tokens on an H200. Each system runs in a FRESH
-process, so that GPU memory, compile caches and megatron-core's global state
-never carry over from one system to the next. A worker runs `--warmup` steps, then `--steps` timed steps (wall
-time, with a CUDA synchronize after every step), and reports:
+Every system trains the same model shape on random tokens, uniform over the vocabulary (same sequence length, same
+tokens per optimizer step; the megatron systems read them from an indexed dataset written once per benchmark, the HF
+systems draw them in the worker). Token values do change FP8 speed: on megatron-core's mock dataset (counting
+sequences, which a model learns within steps) Litespark FP8 ran slower and less repeatably than on random tokens
+(docs/benchmarks/2026-11-23-megatron-training-base-h200.md). Each system runs in a FRESH process, so that GPU
+memory, compile caches and megatron-core's global state never carry over from one system to the next. A worker runs
+`--warmup` steps, then `--steps` timed steps (wall time, with a CUDA synchronize after every step), and reports:
 
 * tokens/s, and model TFLOP/s per GPU from the exact counter (`metrics.flops.training_flops_per_step`: logits
   included, attention counted in full, and also causal-halved);
@@ -37,7 +36,7 @@ Systems (`--systems`, comma list):
 `--variant NAME=SYSTEM:FLAGS` adds a system that is SYSTEM plus some litespark-train flags (a recipe, a fusion,
 a recompute setting), so that one change is measured side by side with what it changes, in the same run.
 
-What each system ran is part of its row (health.py): the attention kernel, observed on an untimed step (the
+What each system ran is part of its row (backend_probe.py): the attention kernel, observed on an untimed step (the
 trainer's first; for HF one more after the timed ones) (TE's FusedAttention / FlashAttention /
 UnfusedDotProductAttention with the cuDNN TE loaded; the kernel torch's SDPA picked), and its fused paths (cross-entropy, RoPE, weight-gradient accumulation). A system that fell
 back is flagged DEGRADED and the benchmark exits 1 unless --allow-degraded; before anything runs, a fresh process
@@ -67,8 +66,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import health as health_lib
-from .arguments import ConfigError, UserError, resolve_quietly
+from .. import backend_probe
+from ..arguments import resolve_quietly
+from ..errors import ConfigError, UserError
+from .hf_model import build_hf_llama, hf_adamw, token_batches
 
 BASELINE = "hf-eager"
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8)
@@ -125,16 +126,16 @@ CONTROLLED = SHAPE_FLAGS + ("seq_length", "micro_batch_size", "global_batch_size
 
 # ============================================================================================ the parent (CLI)
 def build_parser():
-    from .metrics import _cli
+    from . import cli
 
-    p = _cli.OneLineParser(prog="benchmark", description=__doc__.split("\n\n")[0],
+    p = cli.OneLineParser(prog="benchmark", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma list of: {', '.join(SYSTEMS)}")
     p.add_argument("--model", default="llama-3b", help="litespark-train preset")
-    p.add_argument("--seq-length", type=_cli.positive_int, default=4096)
-    p.add_argument("--micro-batch-size", type=_cli.positive_int, default=None, help="default 2")
-    p.add_argument("--global-batch-size", type=_cli.positive_int, default=None,
+    p.add_argument("--seq-length", type=cli.positive_int, default=4096)
+    p.add_argument("--micro-batch-size", type=cli.positive_int, default=None, help="default 2")
+    p.add_argument("--global-batch-size", type=cli.positive_int, default=None,
                    help="sequences per optimizer step (default: one micro-batch; 8 with --best-micro-batch); more "
                         "than a micro-batch is megatron micro-batching and HF gradient accumulation")
     p.add_argument("--best-micro-batch", action="store_true",
@@ -148,16 +149,16 @@ def build_parser():
     p.add_argument("--megatron-flags", default="",
                    help="extra litespark-train flags for every megatron system (Litespark and stock), quoted as one "
                         "string after an equals sign, e.g. --megatron-flags=\"--cross-entropy-loss-fusion\"")
-    p.add_argument("--warmup", type=_cli.non_negative_int, default=3, help="untimed steps first")
-    p.add_argument("--steps", type=_cli.positive_int, default=10, help="timed steps")
-    p.add_argument("--profile-steps", type=_cli.non_negative_int, default=0,
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps")
+    p.add_argument("--profile-steps", type=cli.non_negative_int, default=0,
                    help="after the timed steps, run this many more under torch.profiler and report where the GPU "
                         "time goes (GEMM, attention, optimizer, ...): a table per system in benchmark.md, top kernels "
                         "in logs/<system>-mb<k>.profile.md; not part of the timed numbers")
-    p.add_argument("--peak-tflops", type=_cli.positive_float, default=None,
+    p.add_argument("--peak-tflops", type=cli.positive_float, default=None,
                    help="dense BF16 TFLOP/s per GPU for MFU, instead of the peak table")
-    p.add_argument("--timeout", type=_cli.positive_int, default=600, help="seconds per worker process")
-    p.add_argument("--seed", type=_cli.non_negative_int, default=1234)
+    p.add_argument("--timeout", type=cli.positive_int, default=600, help="seconds per worker process")
+    p.add_argument("--seed", type=cli.non_negative_int, default=1234)
     p.add_argument("--out", default=None, help="directory for benchmark.md, benchmark.json and logs/")
     p.add_argument("--resume", action="store_true",
                    help="continue OUT/benchmark.json: systems it holds with the same flags and settings, measured "
@@ -169,7 +170,7 @@ def build_parser():
                         "table. Without it the benchmark exits 1: a comparison against a degraded system is not one")
     g = p.add_argument_group("model shape overrides (litespark-train names)")
     for name in SHAPE_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=_cli.positive_int, default=None)
+        g.add_argument("--" + name.replace("_", "-"), type=cli.positive_int, default=None)
     return p
 
 
@@ -238,7 +239,7 @@ def random_token_flags(flags: List[str], args, prefix: str, sequences: int, seed
     PREFIX.bin/.idx, instead of megatron-core's mock dataset (the shape check's data source)."""
     import numpy as np
 
-    from .corpus import IndexedDatasetWriter
+    from ..corpus import IndexedDatasetWriter
 
     rng = np.random.default_rng(seed)
     with IndexedDatasetWriter(prefix, args.vocab_size) as writer:
@@ -268,8 +269,8 @@ def micro_batch_plan(opts) -> Tuple[int, List[int]]:
 def check_shape(flags: List[str]):
     """The resolved model (preset + overrides) checked the way litespark-train checks it; ConfigError if it cannot
     exist. Uses the TE-free local backend, so it checks the shape, not this machine."""
-    from . import arguments
-    from .platform import Platform
+    from .. import arguments
+    from ..platform import Platform
 
     # The shape only: the micro-batch is chosen per system later; 1 stands in for it in this check.
     args = resolve_quietly(["--micro-batch-size", "1"] + flags + ["--spec", "litespark", "--transformer-impl", "local"])
@@ -304,7 +305,7 @@ def check_megatron_flags(flags: List[str], extra: str, what: str = "--megatron-f
 
 def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:
     """Model FLOPs of one optimizer step, both attention conventions, for an output layer of `vocab` rows."""
-    from .metrics.flops import ModelShape, training_flops_per_step
+    from ..metrics.flops import ModelShape, training_flops_per_step
 
     shape = ModelShape.from_args(args, padded_vocab=vocab)
     return {c: training_flops_per_step(shape, global_batch_size, causal=c).model_flops for c in ("full", "half")}
@@ -419,8 +420,9 @@ def _child_env() -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
-    root = str(Path(__file__).resolve().parent.parent)  # so that `-m litespark_megatron.benchmark` imports from a
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)  # source checkout too
+    # So that `-m litespark_megatron.apps.benchmark` imports from a source checkout too.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -441,7 +443,7 @@ def run_worker(name: str, system: System, flags: List[str], mbs: int, gbs: int, 
     spec = dict(system=name, definition=asdict(system),
                 flags=flags + extra + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
                 warmup=opts.warmup, steps=opts.steps, profile_steps=opts.profile_steps)
-    cmd = [sys.executable, "-m", "litespark_megatron.benchmark", "--worker", json.dumps(spec), str(result_path)]
+    cmd = [sys.executable, "-m", "litespark_megatron.apps.benchmark", "--worker", json.dumps(spec), str(result_path)]
     result_path.unlink(missing_ok=True)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
@@ -464,7 +466,7 @@ def run_worker(name: str, system: System, flags: List[str], mbs: int, gbs: int, 
         result = json.loads(result_path.read_text())
         result_path.unlink()  # every number of it goes into benchmark.json; the log stays
         if result.get("profile"):
-            from .metrics.profile import render
+            from .profile import render
 
             (log_dir / f"{stem}.profile.md").write_text(render(result["profile"], f"{name}, micro-batch {mbs}"))
     else:  # killed (host OOM killer, a signal) or crashed in native code before it could write
@@ -568,7 +570,7 @@ def preflight(args, timeout: int = PREFLIGHT_TIMEOUT) -> Optional[str]:
     GPU, or no TE: then the systems that need TE fail on their own, saying so)."""
     spec = dict(head_dim=args.hidden_size // args.num_attention_heads, heads=args.num_attention_heads,
                 kv_heads=args.num_query_groups)
-    cmd = [sys.executable, "-m", "litespark_megatron.benchmark", "--preflight", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "litespark_megatron.apps.benchmark", "--preflight", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env())
     except subprocess.TimeoutExpired:
@@ -580,7 +582,7 @@ def preflight(args, timeout: int = PREFLIGHT_TIMEOUT) -> Optional[str]:
 
 
 def preflight_main(spec_json: str) -> None:
-    from .health import te_attention_check
+    from ..backend_probe import te_attention_check
 
     spec = json.loads(spec_json)
     print(json.dumps({"warning": te_attention_check(spec["head_dim"], spec["heads"], spec["kv_heads"])}), flush=True)
@@ -724,7 +726,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
 
 
 def _peak(device: Optional[dict], override: Optional[float], on_gpu: bool):
-    from .metrics.peaks import PeakError, detect_peak
+    from ..metrics.peaks import PeakError, detect_peak
 
     if not on_gpu and override is None:
         return None, "MFU n/a: CPU run (no tensor-core peak; --peak-tflops sets one)"
@@ -877,7 +879,7 @@ def render_profiles(report: dict) -> List[str]:
     profiled = [r for r in report["systems"] if r["status"] == "ok" and r.get("profile")]
     if not profiled:
         return []
-    from .metrics.profile import category_ms
+    from .profile import category_ms
 
     per_system = {r["system"]: category_ms(r["profile"]) for r in profiled}
     categories = sorted({c for ms in per_system.values() for c in ms},
@@ -912,7 +914,7 @@ def measure(step_fn: Callable[[], float], tokens_per_step: int, warmup: int, ste
         torch.cuda.reset_peak_memory_stats()
     meter, energy_note = None, None
     if cuda:
-        from .metrics.energy import EnergyMeter
+        from ..metrics.energy import EnergyMeter
 
         meter = EnergyMeter()
         if not meter.start():
@@ -940,73 +942,6 @@ def measure(step_fn: Callable[[], float], tokens_per_step: int, warmup: int, ste
         timed = torch.cuda.max_memory_allocated()
         out.update(peak_mem_gib=max(timed, peak_warmup) / 2**30, peak_mem_timed_gib=timed / 2**30)
     return out
-
-
-def iter_token_batches(count: int, global_batch_size: int, seq_length: int, vocab_size: int, seed: int):
-    """`count` global batches of (global_batch_size, seq_length + 1) random tokens, uniform over the vocabulary,
-    drawn one at a time on the CPU (as a data loader hands them over): the same sequence for every system."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(count):
-        yield torch.randint(0, vocab_size, (global_batch_size, seq_length + 1), generator=g)
-
-
-def token_batches(count: int, global_batch_size: int, seq_length: int, vocab_size: int, seed: int):
-    """iter_token_batches' batches, all made before timing starts."""
-    return list(iter_token_batches(count, global_batch_size, seq_length, vocab_size, seed))
-
-
-def hf_config_kwargs(args) -> dict:
-    """LlamaConfig keywords for the resolved litespark shape (same layers, widths, heads, vocab, RoPE base)."""
-    return dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-                num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                num_key_value_heads=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
-                head_dim=args.hidden_size // args.num_attention_heads,
-                hidden_act="silu", max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
-                rms_norm_eps=args.layernorm_epsilon, initializer_range=args.init_method_std,
-                tie_word_embeddings=not args.untie_embeddings_and_output_weights, attention_bias=False,
-                mlp_bias=False, attention_dropout=args.attention_dropout, use_cache=False)
-
-
-def build_hf_llama(args, cuda: bool, device):
-    """HF LlamaForCausalLM of the resolved litespark shape, SDPA attention, initialized on `device` in bf16 (fp32
-    on the CPU)."""
-    import torch
-
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as e:
-        raise UserError(f"the HF systems need HuggingFace transformers, not importable here ({e}): "
-                        "pip install transformers") from None
-    import inspect
-
-    kwargs = hf_config_kwargs(args)
-    # transformers 5 takes RoPE settings as rope_parameters; 4.x as rope_theta.
-    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
-        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
-    else:
-        kwargs["rope_theta"] = float(args.rotary_base)
-    config = LlamaConfig(attn_implementation="sdpa", **kwargs)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    torch.manual_seed(args.seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        # Built and initialized directly on the GPU in its dtype: a 3B model built on the CPU in fp32 first would
-        # take 14 GB of host memory and a slow CPU init.
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    theta = (getattr(model.config, "rope_parameters", None) or {}).get("rope_theta",
-                                                                       getattr(model.config, "rope_theta", None))
-    attn = getattr(model.config, "_attn_implementation", None)
-    wrong = [f"{p.dtype}/{p.device}" for p in model.parameters() if p.dtype != dtype or p.device.type != device.type]
-    if float(theta) != float(args.rotary_base) or attn != "sdpa" or wrong:
-        raise RuntimeError(f"HF model not as configured: rope_theta {theta}, attention {attn}, "
-                           f"parameters {sorted(set(wrong))[:3]}")
-    return model
 
 
 def patch_liger(cuda: bool) -> None:
@@ -1054,22 +989,10 @@ def liger_fusions(model) -> Tuple[Dict[str, str], str]:
     return dict(cross_entropy="liger fused linear", rope="liger", wgrad_accumulation="n/a"), note
 
 
-def hf_adamw(model, lr: float, weight_decay: float, betas, eps: float, cuda: bool):
-    """torch's AdamW for an HF model as megatron-core sets up its own: no weight decay on the norms (1-D
-    parameters); fused on a GPU."""
-    import torch
-
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
-                             **({"fused": True} if cuda else {}))
-
-
 def _profile(step_fn, profile_steps: int, cuda: bool) -> Optional[dict]:
     if not profile_steps:
         return None
-    from .metrics.profile import profile_steps as run_profiled
+    from .profile import profile_steps as run_profiled
 
     return run_profiled(step_fn, profile_steps, cuda)
 
@@ -1110,7 +1033,7 @@ def run_hf(args, system: System, cuda: bool, warmup: int, steps: int, profile_st
     result["profile"] = _profile(step, profile_steps, cuda)
     # What ran, seen on one more step of the eager model (torch.compile lowers SDPA to the kernel the same dispatcher
     # picks for these tensors; the spy itself would make the compiled graph recompile).
-    with health_lib.BackendProbe([model]) as probe:
+    with backend_probe.BackendProbe([model]) as probe:
         step(forward=model)
     health = probe.report(device_type=device.type)
     health.fusions.update(fusions)
@@ -1149,9 +1072,9 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int, prof
 
 
 def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, cuda: bool) -> dict:
-    from . import platform
-    from .metrics.profile import summarize_trace
-    from .pretrain import prepare, train
+    from .. import platform
+    from .profile import summarize_trace
+    from ..pretrain import prepare, train
 
     metrics = run_dir / "metrics.jsonl"
     argv = flags + list(system.flags) + (["--bf16"] if cuda else []) + [
@@ -1263,8 +1186,8 @@ def _runtime_device() -> dict:
     except Exception:  # the driver version is informative only; NVML's absence is reported by the energy column
         pass
     return dict(type="cuda", name=torch.cuda.get_device_name(index), count=torch.cuda.device_count(),
-                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=health_lib.torch_cudnn_version(),
-                te_cudnn=health_lib.te_cudnn_version(),
+                capability=f"{major}.{minor}", cuda=torch.version.cuda, cudnn=backend_probe.torch_cudnn_version(),
+                te_cudnn=backend_probe.te_cudnn_version(),
                 driver=driver, memory_gib=torch.cuda.get_device_properties(index).total_memory / 2**30)
 
 

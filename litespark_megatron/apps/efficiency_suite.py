@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import arguments
-from . import health as health_lib
-from .errors import ConfigError, UserError
+from .. import arguments
+from .. import backend_probe
+from ..errors import ConfigError, UserError
 
 STATE_FILE = "suite_state.json"
 STATE_VERSION = 1
@@ -196,7 +196,7 @@ class Settings:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from .metrics._cli import OneLineParser, non_negative_int, positive_float, positive_int
+    from .cli import OneLineParser, non_negative_int, positive_float, positive_int
 
     p = OneLineParser(
         prog="efficiency_suite",
@@ -461,7 +461,7 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     measured_tokens = [t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None]
     joules = sum(r["joules_per_token"] * t for (r, _, _), t in zip(used, tokens) if r.get("joules_per_token") is not None)
     val = [r for r in records if r.get("kind") == "val"]
-    health = health_lib.from_metrics(records)
+    health = backend_probe.from_metrics(records)
     out = dict(
         params=params,
         world_size=world,
@@ -498,7 +498,7 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
 def _params_of(args, vocab: Optional[int] = None) -> dict:
     """Total and active (MoE: top-k experts) parameters of the whole model, counted from its shape with the
     vocabulary megatron.training builds for it (its tokenizer's: the corpus's, not the preset's), or `vocab`."""
-    from .metrics.flops import ModelShape, param_count
+    from ..metrics.flops import ModelShape, param_count
 
     count = param_count(ModelShape.from_args(args, padded_vocab=vocab or arguments.model_vocab_size(args)))
     return dict(total=count.total, active=count.active)
@@ -858,7 +858,7 @@ def report_recorded(settings: Settings, log=print) -> int:
 
 # --------------------------------------------------------------------------------------------- main
 def run_suite(settings: Settings, log=print) -> int:
-    from . import platform
+    from .. import platform
 
     if settings.report_only:
         return report_recorded(settings, log)
@@ -935,7 +935,7 @@ def _interrupt(signum, frame):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .platform import quiet_library_noise
+    from ..platform import quiet_library_noise
 
     quiet_library_noise()
     # A SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so the running variant's process is stopped too.

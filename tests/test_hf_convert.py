@@ -69,7 +69,7 @@ def hf_tensors(path):
 
 
 def convert(*argv):
-    return run([sys.executable, "-m", "litespark_megatron.hf", *argv, "--quiet"])
+    return run([sys.executable, "-m", "litespark_megatron.hf_convert", *argv, "--quiet"])
 
 
 def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout, model=None):
@@ -134,7 +134,7 @@ def test_export_gives_the_imported_tensors_bit_for_bit_and_a_config_that_imports
     assert (config["bos_token_id"], config["eos_token_id"]) == (VOCAB - 2, VOCAB - 1)
     # The exported config.json reads back as the original's model; with the tensors equal bit for bit, importing
     # the export is importing the original (export -> import -> export without two more processes).
-    from litespark_megatron import hf as convert_module
+    from litespark_megatron import hf_convert as convert_module
 
     assert convert_module.model_flags(convert_module.read_config(first)) == \
         convert_module.model_flags(convert_module.read_config(hf))
@@ -246,9 +246,9 @@ def test_a_run_with_zero_centered_norms_exports_the_norm_weights_transformers_co
 
 # --------------------------------------------------------------------------------------------- bad input
 def refused(capsys, *argv):
-    from litespark_megatron import hf
+    from litespark_megatron import hf_convert
 
-    assert hf.main([*map(str, argv), "--quiet"]) == 2
+    assert hf_convert.main([*map(str, argv), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("litespark-convert: error: "), err
     return err

@@ -1,4 +1,4 @@
-"""health: what attention and fused paths a model really ran, and the verdict on it. Synthetic cases for the
+"""The backend probe: what attention and fused paths a model really ran, and the verdict on it. Synthetic cases for the
 classification (fused / flash / efficient / unfused / none), the probe on real torch calls on the CPU, and on a GPU
 with Transformer Engine the real thing."""
 import torch
@@ -6,8 +6,8 @@ import torch.nn.functional as F
 import pytest
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from litespark_megatron import health
-from litespark_megatron.health import AttentionUse, BackendProbe, assess, sdpa_use, te_use
+from litespark_megatron import backend_probe
+from litespark_megatron.backend_probe import AttentionUse, BackendProbe, assess, sdpa_use, te_use
 
 FUSED = dict(cross_entropy="te", rope="te", wgrad_accumulation="on")
 ASKED = dict(cross_entropy=True, rope=True, wgrad_accumulation=True)
@@ -98,7 +98,7 @@ def test_probe_hooks_transformer_engine_backend_modules_by_class():
         model(torch.zeros(1))
         model(torch.zeros(1))
     # The cuDNN TE loaded is part of the name (none without TE).
-    assert probe.attention == [te_use("UnfusedDotProductAttention", health.te_cudnn_version())]
+    assert probe.attention == [te_use("UnfusedDotProductAttention", backend_probe.te_cudnn_version())]
     assert probe.seen[probe.attention[0]] == 2
     model(torch.zeros(1))  # hooks removed on exit
     assert probe.seen[probe.attention[0]] == 2
@@ -107,8 +107,8 @@ def test_probe_hooks_transformer_engine_backend_modules_by_class():
 def test_health_round_trips_through_metrics_records():
     verdict = assess([AttentionUse("torch SDPA cuDNN", "fused")], FUSED, ASKED, "cuda")
     records = [{"step": 0, "kind": "run"}, {"step": 1, "kind": "health", **verdict.to_dict()}]
-    assert health.from_metrics(records) == verdict
-    assert health.from_metrics(records[:1]) is None
+    assert backend_probe.from_metrics(records) == verdict
+    assert backend_probe.from_metrics(records[:1]) is None
     assert verdict.summary() == ("attention torch SDPA cuDNN; fused: cross-entropy te, RoPE te, "
                                  "wgrad-accumulation on")
 
@@ -116,23 +116,23 @@ def test_health_round_trips_through_metrics_records():
 def test_requested_fusions_follow_megatron_flag_names():
     from types import SimpleNamespace
 
-    assert health.requested_fusions(SimpleNamespace()) == dict(cross_entropy=False, rope=True,
-                                                               wgrad_accumulation=True)
+    assert backend_probe.requested_fusions(SimpleNamespace()) == dict(cross_entropy=False, rope=True,
+                                                                      wgrad_accumulation=True)
     asked = SimpleNamespace(cross_entropy_loss_fusion=True, apply_rope_fusion=False,
                             gradient_accumulation_fusion=False)
-    assert health.requested_fusions(asked) == dict(cross_entropy=True, rope=False, wgrad_accumulation=False)
+    assert backend_probe.requested_fusions(asked) == dict(cross_entropy=True, rope=False, wgrad_accumulation=False)
     mla = SimpleNamespace(multi_latent_attention=True)
-    assert health.requested_fusions(mla)["rope"] is False
+    assert backend_probe.requested_fusions(mla)["rope"] is False
 
 
 @pytest.mark.parametrize("encoded, text", [(91900, "9.19.0"), (91400, "9.14.0"), (8907, "8.9.7"), (0, None)])
 def test_cudnn_versions_are_decoded(encoded, text):
-    assert health.format_cudnn(encoded) == text
+    assert backend_probe.format_cudnn(encoded) == text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
 def test_te_attention_check_has_nothing_to_check_without_a_gpu():
-    assert health.te_attention_check(64, 8, 2) is None
+    assert backend_probe.te_attention_check(64, 8, 2) is None
 
 
 def _te_importable():
@@ -156,5 +156,5 @@ def test_te_fused_attention_runs_on_this_gpu():
         dpa(q, k, k)
     kinds = {u.kind for u in probe.attention}
     assert kinds <= {"fused", "flash"} and kinds, probe.attention
-    assert health.te_attention_check(128, 8, 2) is None
-    assert health.te_cudnn_version() == health.torch_cudnn_version()
+    assert backend_probe.te_attention_check(128, 8, 2) is None
+    assert backend_probe.te_cudnn_version() == backend_probe.torch_cudnn_version()

@@ -1,4 +1,4 @@
-"""Elementwise kernels of the Litespark layer, each with its plain-torch reference.
+"""The elementwise ops of the Litespark layer (SwiGLU, RoPE, RMSNorm), each with its plain-torch reference.
 
 The references define the function; the fused versions must match them (tests compare both on random inputs,
 forward and backward). On CUDA, SwiGLU is Transformer Engine's fused kernel pair (swiglu / dswiglu, through its
@@ -53,8 +53,8 @@ def rope_impl(t: torch.Tensor, config) -> str:
 
 def rope(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens=None, cp_group=None) -> torch.Tensor:
     if cu_seqlens is None and rope_impl(t, config) == "compiled":
-        # megatron-core's unfused RoPE is several elementwise kernels each way: on an H200 (llama-3b, local
-        # backend, micro-batch 4) they took ~100 ms of a 1.46 s step.
+        # megatron-core's unfused RoPE is several elementwise kernels each way, a measurable share of the local
+        # backend's step (docs/benchmarks/2026-11-22-llama-3b-h200-fused-ce-fp8-local.md).
         return _compiled(rope_reference)(t, freqs)
     return rope_utils.apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens, cp_group=cp_group)
 
@@ -86,7 +86,8 @@ def swiglu_impl(device_type: str) -> str:
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.is_cuda:
         op = _te_swiglu()
-        # Measured on an H200 (llama-3b, 28 layers): torch.compile's backward kernel moved 0.76 TB/s.
+        # TE's kernel pair where TE is installed: torch.compile's backward kernel moves far less than the HBM's
+        # bandwidth (docs/benchmarks/2026-11-22-llama-3b-h200-profile-and-fix.md).
         return op(gate_up) if op is not None else _compiled(swiglu_reference)(gate_up)
     return swiglu_reference(gate_up)
 

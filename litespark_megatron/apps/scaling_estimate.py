@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 from litespark_megatron.metrics.flops import (
     CAUSAL_CONVENTIONS,
     ModelShape,
-    _layer_forward_per_sequence,
+    layer_forward_per_sequence,
     param_count,
     training_flops_per_step,
 )
@@ -503,7 +503,7 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
                            f"(executed FLOPs, causal-half)")
 
     # -- per pipeline stage: executed FLOPs, parameters, TP collectives -----------------------------------------
-    layer_fwd = [_layer_forward_per_sequence(shape, i, "half") for i in range(L)]
+    layer_fwd = [layer_forward_per_sequence(shape, i, "half") for i in range(L)]
     logits_fwd = 2 * s * h * shape.vocab_size
     total_fwd = sum(f.total for f in layer_fwd) + logits_fwd
     layers_of = stage_layers(L, pp, v)

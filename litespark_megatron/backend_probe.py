@@ -1,8 +1,8 @@
 """What a model really runs, observed: its attention kernel and its fused paths, and whether it fell back.
 
-A comparison is only as fair as its weakest row. Every "vs stock" ratio this project published before 2026-11-23
-was measured against a stock baseline whose Transformer Engine had silently lost its fused attention (TE loaded
-another cuDNN than torch; cuDNN then failed to load a sub-library and TE fell back to unfused attention). So every
+A comparison is only as fair as its weakest row. The project's first "vs stock" ratios were measured against a
+stock baseline whose Transformer Engine had silently lost its fused attention (TE loaded another cuDNN than torch;
+cuDNN then failed to load a sub-library and TE fell back to unfused attention: docs/benchmarks/README.md). So every
 tool that compares systems records what each one ran, and flags a system that fell back.
 
     probe = BackendProbe(model_chunks)
@@ -189,7 +189,7 @@ def cross_entropy_state(config) -> str:
 def rope_state(models, config, device_type: str) -> str:
     """Which RoPE the model runs: 'te' (TE's fused kernel), 'compiled', 'unfused' or 'n/a' (no rotary embedding).
     megatron-core decides it from config.apply_rope_fusion; the Litespark attention adds a compiled kernel on GPUs
-    without TE (layers/kernels.py)."""
+    without TE (layers/elementwise.py)."""
     kinds = {getattr(m, "position_embedding_type", None) for model in models for m in model.modules()}
     if not kinds & {"rope", "mrope", "yarn"}:
         return "n/a"
@@ -197,7 +197,7 @@ def rope_state(models, config, device_type: str) -> str:
         return "te"
     if device_type == "cuda" and _has_litespark_attention(models) and not getattr(config, "multi_latent_attention",
                                                                                    False):
-        from .layers.kernels import te_rope_available
+        from .layers.elementwise import te_rope_available
 
         if not te_rope_available() and not config.rotary_interleaved:
             return "compiled"

@@ -1,4 +1,5 @@
-"""Pieces shared by the metrics command-line tools (tools/mfu.py, tools/energy_to_train.py).
+"""Pieces shared by the command-line apps (tools/mfu.py, tools/energy_to_train.py, tools/scaling_estimate.py, the
+benchmark, the efficiency suite, ...): a parser that fails in one line, typed numbers, the model and peak flags.
 
 Model flags keep the Megatron-LM names of litespark-train, so a command line can be pasted between them.
 """
@@ -28,7 +29,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _number(text: str, kind, what: str, allow_zero: bool = False):
+def number(text: str, kind, what: str, allow_zero: bool = False):
+    """`text` as a finite `kind` (int or float) > 0 (>= 0 with allow_zero), for an argparse `type`; `what` names the
+    expected value in the one-line error."""
     try:
         value = kind(text)
     except (TypeError, ValueError):
@@ -41,19 +44,19 @@ def _number(text: str, kind, what: str, allow_zero: bool = False):
 
 
 def positive_int(text: str) -> int:
-    return _number(text, int, "a positive integer")
+    return number(text, int, "a positive integer")
 
 
 def positive_float(text: str) -> float:
-    return _number(text, float, "a positive number")
+    return number(text, float, "a positive number")
 
 
 def non_negative_int(text: str) -> int:
-    return _number(text, int, "an integer >= 0", allow_zero=True)
+    return number(text, int, "an integer >= 0", allow_zero=True)
 
 
 def fraction(text: str) -> float:
-    value = _number(text, float, "a number in (0, 1]")
+    value = number(text, float, "a number in (0, 1]")
     if value > 1:
         raise argparse.ArgumentTypeError(f"a number in (0, 1] expected, got {text!r}")
     return value

@@ -1,6 +1,6 @@
 """HF transformers' LlamaForCausalLM trained data-parallel, with torch's DDP or FSDP2, measured like litespark-train.
 
-    torchrun --nproc-per-node 2 -m litespark_megatron.hf_parallel --parallel fsdp2 --model llama-3b \\
+    torchrun --nproc-per-node 2 -m litespark_megatron.apps.hf_parallel --parallel fsdp2 --model llama-3b \\
         --seq-length 4096 --micro-batch-size 2 --global-batch-size 16 --train-iters 20 --log-interval 5 \\
         --metrics-file runs/hf-fsdp2/metrics.jsonl
 
@@ -35,7 +35,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional, Sequence
 
-from .telemetry import Telemetry
+from ..telemetry import Telemetry
 
 PROG = "hf_parallel"
 PARALLEL = ("ddp", "fsdp2")
@@ -84,10 +84,10 @@ class HFTelemetry(Telemetry):
 
 def parse(argv: Sequence[str]):
     """(--parallel, the resolved litespark-train args); ConfigError (one line) for what HF cannot run."""
-    from .arguments import resolve_quietly
-    from .errors import ConfigError
-    from .metrics._cli import OneLineParser
-    from .platform import detect
+    from ..arguments import resolve_quietly
+    from ..errors import ConfigError
+    from .cli import OneLineParser
+    from ..platform import detect
 
     own = OneLineParser(prog=PROG, add_help=False)
     own.add_argument("--parallel", choices=PARALLEL, default="fsdp2")
@@ -141,7 +141,7 @@ def _init_distributed(plat):
     import torch
     import torch.distributed as dist
 
-    from .platform import single_process_defaults
+    from ..platform import single_process_defaults
 
     single_process_defaults()  # started without torchrun: rank 0 of 1
     local = int(os.environ["LOCAL_RANK"])
@@ -184,8 +184,8 @@ def train(parallel: str, args, plat) -> NoReturn:
     import torch
     import torch.distributed as dist
 
-    from . import health as health_lib
-    from .benchmark import build_hf_llama, hf_adamw, iter_token_batches
+    from .. import backend_probe
+    from .hf_model import build_hf_llama, hf_adamw, iter_token_batches
 
     device = _init_distributed(plat)
     cuda = device.type == "cuda"
@@ -222,7 +222,7 @@ def train(parallel: str, args, plat) -> NoReturn:
     telemetry.begin()
     for iteration, tokens in enumerate(batches, start=1):
         if iteration == 1:  # what ran, seen on the first step (its interval is start-up: tools drop it)
-            with health_lib.BackendProbe([model]) as probe:
+            with backend_probe.BackendProbe([model]) as probe:
                 loss, norm = step(tokens)
             telemetry.record_health(probe.report(device_type=device.type))
         else:
@@ -243,7 +243,7 @@ def train(parallel: str, args, plat) -> NoReturn:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .errors import UserError
+    from ..errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
