@@ -150,8 +150,8 @@ def test_context_parallel_ring_terms():
     slow_link = dataclasses.replace(PLAIN, gpus_per_node=2, nvlink_gbps=0.01)
     slow = ring(slow_link)
     # the attention of one block, forward: the layer's attention-core share of the micro-batch time, / 3, / CP blocks
-    from litespark_megatron.metrics.flops import _layer_forward_per_sequence
-    layer = _layer_forward_per_sequence(shape, 0, "half")
+    from litespark_megatron.metrics.flops import layer_forward_per_sequence
+    layer = layer_forward_per_sequence(shape, 0, "half")
     total = 16 * layer.total + 2 * 4096 * 2048 * shape.vocab_size
     block = slow.details["microbatch_compute_one_gpu_s"] / 2 * layer.attention_core / total / 3 / 2
     per_layer = (kv / 2 / 1e7 - block) + (2 * kv / 2 / 1e7 - 2 * block)
