@@ -1,5 +1,5 @@
-"""Hugging Face Llama checkpoints in and out: `litespark-convert import HF_DIR CKPT` and
-`litespark-convert export CKPT HF_DIR`.
+"""Hugging Face Llama checkpoints in and out: `litespark-convert import HF_DIR CKPT`, `litespark-convert export CKPT
+HF_DIR` and `litespark-convert export-adapter CKPT ADAPTER_DIR`.
 
 import  reads config.json (the model's shape comes from it, not from a preset) and the safetensors shards, and
         writes a Megatron-LM *release* checkpoint with megatron.training's own save_checkpoint (torch_dist format).
@@ -10,7 +10,9 @@ import  reads config.json (the model's shape comes from it, not from a preset) a
 export  reads any Megatron-LM torch_dist checkpoint of a Llama-shaped GPT (the Litespark and stock specs save the
         same keys), whatever layout it was saved in, one layer at a time, and writes config.json,
         generation_config.json, model.safetensors (sharded, with its index) and the tokenizer files. Norms a run
-        kept zero-centered (--apply-layernorm-1p: weight = gamma - 1) are written as HF's gamma.
+        kept zero-centered (--apply-layernorm-1p: weight = gamma - 1) are written as HF's gamma. A --peft lora|dora
+        run exports with --merge-adapters (its adapters merged into the weights); `export-adapter` writes them as
+        HF peft's adapter files instead (hf_peft.py).
 
 The two weight layouts that differ (megatron-core's, in every layout; HF's LlamaForCausalLM):
     linear_qkv.weight = for each KV group g: [the query heads of g; k_g; v_g]   <- q_proj, k_proj, v_proj
@@ -658,22 +660,61 @@ def _parse_size(text: str) -> int:
     raise ConversionError(f"--max-shard-size {text}: give a size such as 5GB or 500MB")
 
 
+def checkpoint_arguments(directory: str):
+    """The Megatron-LM arguments a torch_dist checkpoint was saved with (in a process group)."""
+    from megatron.core import dist_checkpointing
+
+    args = dist_checkpointing.load_common_state_dict(directory).get("args")
+    if args is None or isinstance(args, dict):
+        raise ConversionError(f"{directory}: the checkpoint has no Megatron-LM arguments (a checkpoint of "
+                              "litespark-megatron's old trainer: load it with --finetune and save it once)")
+    return args
+
+
+class CheckpointTensors:
+    """The tensors of a torch_dist checkpoint, whole or one layer of the stacked [num_layers, ...] ones (in a
+    process group)."""
+
+    def __init__(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        self.directory = directory
+        self.metadata = dist_checkpointing.load_tensors_metadata(directory)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.metadata
+
+    def get(self, key: str, layer: Optional[int] = None) -> torch.Tensor:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        meta = self.metadata[key]
+        if layer is None:
+            request = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype),
+                                                      replica_id=0)
+        else:
+            # layer i of the stacked [num_layers, ...] tensor: one slice of its first axis
+            request = ShardedTensor.from_rank_offsets(key, torch.empty((1, *meta.global_shape[1:]), dtype=meta.dtype),
+                                                      (0, layer, meta.global_shape[0]), replica_id=0)
+        tensor = dist_checkpointing.load({key: request}, self.directory, validate_access_integrity=False)[key]
+        return tensor if layer is None else tensor[0]
+
+
 def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[int] = None,
-              tokenizer: Optional[str] = None, max_shard_size: str = "5GB", quiet: bool = False) -> None:
-    """Megatron-LM torch_dist checkpoint (any layout, any Llama spec) -> HF directory `out`."""
+              tokenizer: Optional[str] = None, max_shard_size: str = "5GB", quiet: bool = False,
+              merge_adapters: bool = False) -> None:
+    """Megatron-LM torch_dist checkpoint (any layout, any Llama spec) -> HF directory `out`. A --peft lora|dora
+    run's checkpoint exports with merge_adapters: W + s B A (DoRA: scaled to its magnitudes), a plain HF Llama."""
     _check_target(out)
     max_bytes = _parse_size(max_shard_size)
     directory = checkpoint_dir(ckpt)
     with single_process_group():
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from . import hf_peft
 
-        common = dist_checkpointing.load_common_state_dict(directory)
-        args = common.get("args")
-        if args is None or isinstance(args, dict):
-            raise ConversionError(f"{directory}: the checkpoint has no Megatron-LM arguments (a checkpoint of "
-                                  "litespark-megatron's old trainer: load it with --finetune and save it once)")
-        metadata = dist_checkpointing.load_tensors_metadata(directory)
+        args = checkpoint_arguments(directory)
+        adapters = hf_peft.adapters_of(args, directory, merge_adapters)
+        tensors = CheckpointTensors(directory)
+        metadata = tensors.metadata
         if EMBEDDING not in metadata:
             raise ConversionError(f"the checkpoint has no tensor {EMBEDDING}")
         shape = _checkpoint_shape(args, metadata, _true_vocab(args, metadata[EMBEDDING].global_shape[0], vocab))
@@ -691,19 +732,11 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
                              getattr(args, "apply_layernorm_1p", False))
 
         def load(key: str, layer: Optional[int]) -> torch.Tensor:
-            meta = metadata[key]
-            if layer is None:
-                request = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype),
-                                                          replica_id=0)
-            else:
-                # layer i of the stacked [num_layers, ...] tensor: one slice of its first axis
-                request = ShardedTensor.from_rank_offsets(key, torch.empty((1, *meta.global_shape[1:]),
-                                                                           dtype=meta.dtype),
-                                                          (0, layer, shape.layers), replica_id=0)
-            tensor = dist_checkpointing.load({key: request}, directory, validate_access_integrity=False)[key]
-            tensor = tensor if layer is None else tensor[0]
+            tensor = tensors.get(key, layer)
             if zero_centered and "norm" in key:
                 tensor = tensor + 1  # stored as gamma - 1; HF's RMSNorm weight is gamma
+            if adapters is not None and layer is not None:
+                tensor = adapters.merged(key, layer, tensor, tensors, shape)
             return tensor
 
         keys = [(EMBEDDING, None)] + [(k, i) for i in range(shape.layers) for k in LAYER_KEYS] + \
@@ -753,6 +786,16 @@ def parser() -> argparse.ArgumentParser:
                                          "--tokenizer-model when it is one, else an import's tokenizer/ beside "
                                          "the checkpoint)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    exp.add_argument("--merge-adapters", action="store_true",
+                     help="a --peft lora|dora run: its adapters merged into the weights (W + s B A; DoRA scaled to "
+                          "its magnitudes), a plain HF Llama")
+    ada = sub.add_parser("export-adapter", help="a --peft lora|dora checkpoint's adapters -> HF peft adapter "
+                                                "directory (adapter_config.json, adapter_model.safetensors)")
+    ada.add_argument("ckpt", help="a --save directory (its latest checkpoint) or one iter_* directory")
+    ada.add_argument("out", help="the adapter directory to create")
+    ada.add_argument("--dtype", choices=list(DTYPES), help="stored dtype (default: the checkpoint's)")
+    ada.add_argument("--base-model", help="adapter_config.json's base_model_name_or_path: the HF export of the "
+                                          "run's --peft-base, which peft loads the adapter onto")
     for sp in (imp, exp):
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -769,10 +812,16 @@ def main(argv=None) -> int:
             print(f"{PROG}: wrote {opts.out} ({flags['num-layers']} layers, hidden {flags['hidden-size']}, vocabulary "
                   f"{flags['vocab-size']}); train from it with: litespark-train --config "
                   f"{os.path.join(opts.out, 'model.yaml')} --load {opts.out} ...")
-        else:
+        elif opts.command == "export":
             export_hf(opts.ckpt, opts.out, opts.dtype, opts.vocab_size, opts.tokenizer, opts.max_shard_size,
-                      opts.quiet)
+                      opts.quiet, opts.merge_adapters)
             print(f"{PROG}: wrote {opts.out}")
+        else:
+            from .hf_peft import export_adapter
+
+            export_adapter(opts.ckpt, opts.out, opts.dtype, opts.base_model)
+            print(f"{PROG}: wrote {opts.out}; load it with peft.PeftModel.from_pretrained(<the base's HF model>, "
+                  f"{opts.out!r})")
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,149 @@
+"""A --peft lora|dora run's adapters out to Hugging Face: as HF peft's adapter files (`litespark-convert
+export-adapter CKPT DIR`: adapter_config.json and adapter_model.safetensors, for peft.PeftModel.from_pretrained on
+the base's HF export), or merged into the weights of a plain HF Llama (`litespark-convert export CKPT DIR
+--merge-adapters`).
+
+The checkpoint stores each adapter in HF peft's own terms (layers/adapters.py): per layer and HF projection
+(q/k/v/o_proj, gate/up/down_proj) its lora_A [r, in], lora_B [out, r] and, for DoRA, its magnitude [out], so the
+adapter files are a renaming; `use_rslora` and `use_dora` say what the run trained. Merging computes, in fp32 and
+then the output's dtype, what peft's merge_and_unload computes:
+
+    LoRA  W' = W + s B A                    DoRA  W' = m / ||W + s B A||_row * (W + s B A)
+
+with B A of the fused QKV and [gate; up] interleaved into megatron-core's fused layout before hf.py splits it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+from typing import List, Optional, Tuple
+
+import torch
+
+from .hf import (DTYPES, CheckpointTensors, ConversionError, Shape, _check_target, _checkpoint_shape, _commit, _start,
+                 checkpoint_arguments, checkpoint_dir, single_process_group)
+from .layers.adapters import interleave, projections
+
+HF_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _target(key: str) -> str:
+    """decoder.layers.self_attention.linear_qkv.weight -> linear_qkv"""
+    return key.rsplit(".", 2)[-2]
+
+
+class Adapters:
+    """A checkpoint's adapters, read one layer and linear at a time."""
+
+    def __init__(self, args) -> None:
+        from .peft import settings
+
+        self.peft = settings(args)
+        self.dora = self.peft.method == "dora"
+
+    def projections(self, target: str, shape: Shape):
+        return projections(target, SimpleNamespace(num_attention_heads=shape.heads, kv_channels=shape.head_dim,
+                                                   num_query_groups=shape.groups, hidden_size=shape.hidden,
+                                                   ffn_hidden_size=shape.ffn))
+
+    def read(self, tensors: CheckpointTensors, target: str, shape: Shape,
+             layer: int) -> List[Tuple[str, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """(HF projection, A, B, magnitude or None) of `target` in `layer`, in the fused order."""
+        prefix = f"decoder.layers.{'mlp' if 'fc' in target else 'self_attention'}.{target}.adapter."
+        found = []
+        for name in self.projections(target, shape).names:
+            a, b = (tensors.get(f"{prefix}{kind}.{name}", layer) for kind in ("lora_A", "lora_B"))
+            m = tensors.get(f"{prefix}magnitude.{name}", layer) if self.dora else None
+            found.append((name, a, b, m))
+        return found
+
+    def merged(self, key: str, layer: int, weight: torch.Tensor, tensors: CheckpointTensors,
+               shape: Shape) -> torch.Tensor:
+        """The weight of megatron-core's layer tensor `key` with its adapter merged (fp32), or as it is."""
+        target = _target(key)
+        if not key.endswith(".weight") or target not in self.peft.targets:
+            return weight
+        what = self.projections(target, shape)
+        parts = self.read(tensors, target, shape, layer)
+        scale = self.peft.adapter.scale
+        merged = weight.float() + interleave([b.float() @ a.float() for _, a, b, _ in parts], what.groups, 0) * scale
+        if self.dora:
+            magnitude = interleave([m.float() for *_, m in parts], what.groups, 0)
+            merged = (magnitude / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1) * merged
+        return merged
+
+
+def adapters_of(args, directory: str, merge: bool) -> Optional[Adapters]:
+    """The adapters export merges: those of a --peft lora|dora checkpoint with --merge-adapters; a checkpoint with
+    adapters does not export without merging them (its base alone is not what it trained)."""
+    method = getattr(args, "peft", None)
+    if method in ("lora", "dora"):
+        if not merge:
+            raise ConversionError(f"{directory} holds a --peft {method} run, its adapters beside the base: add "
+                                  "--merge-adapters (a plain HF Llama with them merged), or export them for HF peft "
+                                  "with litespark-convert export-adapter")
+        return Adapters(args)
+    if merge:
+        raise ConversionError(f"--merge-adapters: {directory} holds no adapters (no --peft lora|dora run): drop the "
+                              "flag")
+    return None
+
+
+def adapter_config(peft, base_model: Optional[str]) -> dict:
+    """HF peft's LoraConfig of these adapters, as peft's save_pretrained writes its main fields."""
+    adapter = peft.adapter
+    alpha = int(adapter.alpha) if float(adapter.alpha).is_integer() else adapter.alpha
+    names = sorted({n for target in peft.targets for n in projections(target, _ANY_SHAPE).names})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": adapter.rank, "lora_alpha": alpha, "lora_dropout": adapter.dropout, "target_modules": names,
+            "use_rslora": adapter.rslora, "use_dora": peft.method == "dora", "bias": "none", "fan_in_fan_out": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+# projections' names do not depend on the sizes
+_ANY_SHAPE = SimpleNamespace(num_attention_heads=1, kv_channels=1, num_query_groups=1, hidden_size=1,
+                             ffn_hidden_size=1)
+
+
+def export_adapter(ckpt: str, out: str, dtype: Optional[str] = None, base_model: Optional[str] = None) -> None:
+    """A --peft lora|dora checkpoint's adapters -> HF peft's adapter directory `out`."""
+    from safetensors.torch import save_file
+
+    _check_target(out)
+    directory = checkpoint_dir(ckpt)
+    with single_process_group():
+        args = checkpoint_arguments(directory)
+        method = getattr(args, "peft", None)
+        if method not in ("lora", "dora"):
+            what = f"a --peft {method} run: its trained layers are the model's, export" if method else \
+                "a model without adapters (no --peft lora|dora run): export"
+            raise ConversionError(f"{directory} holds {what} it with litespark-convert export")
+        tensors = CheckpointTensors(directory)
+        rows = tensors.metadata["embedding.word_embeddings.weight"].global_shape[0]
+        shape = _checkpoint_shape(args, tensors.metadata, rows)
+        adapters = Adapters(args)
+        weights = {}
+        for layer in range(shape.layers):
+            for target in adapters.peft.targets:
+                for name, a, b, m in adapters.read(tensors, target, shape, layer):
+                    where = f"base_model.model.model.layers.{layer}.{HF_MODULES[name]}.{name}"
+                    weights[f"{where}.lora_A.weight"], weights[f"{where}.lora_B.weight"] = a, b
+                    if m is not None:
+                        weights[f"{where}.lora_magnitude_vector"] = m
+    if dtype:
+        weights = {k: v.to(DTYPES[dtype]) for k, v in weights.items()}
+    tmp = _start(out)
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(adapter_config(adapters.peft, base_model), f, indent=2)
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
