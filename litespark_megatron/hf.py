@@ -796,7 +796,7 @@ def parser() -> argparse.ArgumentParser:
     ada.add_argument("--dtype", choices=list(DTYPES), help="stored dtype (default: the checkpoint's)")
     ada.add_argument("--base-model", help="adapter_config.json's base_model_name_or_path: the HF export of the "
                                           "run's --peft-base, which peft loads the adapter onto")
-    for sp in (imp, exp):
+    for sp in (imp, exp, ada):
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

@@ -44,6 +44,7 @@ class Adapters:
 
         self.peft = settings(args)
         self.dora = self.peft.method == "dora"
+        self._whole = {}  # adapter key -> its tensor of every layer (adapters are small: read once each)
 
     def projections(self, target: str, shape: Shape):
         return projections(target, SimpleNamespace(num_attention_heads=shape.heads, kv_channels=shape.head_dim,
@@ -54,11 +55,16 @@ class Adapters:
              layer: int) -> List[Tuple[str, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
         """(HF projection, A, B, magnitude or None) of `target` in `layer`, in the fused order."""
         prefix = f"decoder.layers.{'mlp' if 'fc' in target else 'self_attention'}.{target}.adapter."
+
+        def get(key):
+            if key not in self._whole:
+                self._whole[key] = tensors.get(key)
+            return self._whole[key][layer]
+
         found = []
         for name in self.projections(target, shape).names:
-            a, b = (tensors.get(f"{prefix}{kind}.{name}", layer) for kind in ("lora_A", "lora_B"))
-            m = tensors.get(f"{prefix}magnitude.{name}", layer) if self.dora else None
-            found.append((name, a, b, m))
+            a, b = get(f"{prefix}lora_A.{name}"), get(f"{prefix}lora_B.{name}")
+            found.append((name, a, b, get(f"{prefix}magnitude.{name}") if self.dora else None))
         return found
 
     def merged(self, key: str, layer: int, weight: torch.Tensor, tensors: CheckpointTensors,

@@ -78,9 +78,6 @@ def check(args) -> None:
     if args.trainable_layers is not None and method != "freeze":
         raise ConfigError("--trainable-layers K trains the last K layers of --peft freeze: add --peft freeze, or "
                           "drop it")
-    if getattr(args, "save_adapters_only", False) and method is None:
-        raise ConfigError("--save-adapters-only saves the trainable parameters of a --peft run: add --peft, or "
-                          "drop it")
     if method is None:
         if args.peft_base is not None:
             raise ConfigError("--peft-base is the base model of --peft lora|dora|freeze: add --peft, or load a "
@@ -207,7 +204,17 @@ def apply(chunks, peft: PeftSettings, args):
             attach_adapters(chunk, peft.adapter, peft.targets, args.seed)
     for chunk in chunks:
         freeze(chunk, peft)
+        if chunk.pre_process and chunk.config.recompute_granularity == "full":
+            # megatron-core's full recompute (a reentrant checkpoint) gives its layers' outputs a gradient only if
+            # their input has one; the frozen embedding's has none, and nothing after it would train.
+            chunk.embedding.register_forward_hook(_output_requires_grad)
     return chunks
+
+
+def _output_requires_grad(module, inputs, output):
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_()
+    return output
 
 
 def load_base(chunks, directory: str, strictness: str) -> None:
@@ -244,7 +251,9 @@ def attach_adapters(chunk, settings: AdapterSettings, targets, seed: int) -> Non
             if target not in targets:
                 continue
             base = getattr(parent, target)
-            tp_group = getattr(base, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+            tp_group = getattr(base, "tp_group", None)
+            if tp_group is None:
+                tp_group = parallel_state.get_tensor_model_parallel_group()
             setattr(parent, target, AdaptedLinear(base, projections(target, config), settings, config, tp_group))
     init_adapters(chunk, seed)
 
@@ -292,17 +301,4 @@ def freeze(chunk, peft: PeftSettings) -> None:
     else:
         for name, param in chunk.named_parameters():
             param.requires_grad_(".adapter." in name)
-    if not any(p.requires_grad for p in chunk.parameters()) and not chunk.post_process:
-        # A pipeline stage with nothing to train still runs the backward megatron-core's schedule asks of its
-        # output; it must then be a tensor autograd accepts (no parameter before it needs a gradient).
-        chunk.register_forward_hook(_output_accepts_gradient)
 
-
-def _output_accepts_gradient(module, inputs, output):
-    if isinstance(output, torch.Tensor) and torch.is_grad_enabled() and not output.requires_grad:
-        return output.detach().requires_grad_()
-    return output
-
-
-def trainable_parameters(chunks) -> int:
-    return sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)

@@ -175,7 +175,10 @@ class AdaptedLinear(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["base"], name)
+            base = self.__dict__.get("_modules", {}).get("base")  # (none yet in a copy being made)
+            if base is None:
+                raise
+            return getattr(base, name)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, x):
