@@ -145,6 +145,9 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--lora-plus-ratio", type=float, default=None, metavar="F",
                    help="LoRA-plus: B's learning rate (and DoRA's magnitudes') is F times --lr (and --min-lr) "
                         "through the whole schedule")
+    g.add_argument("--save-adapters-only", action="store_true",
+                   help="--peft lora|dora: checkpoints hold the adapters and their optimizer state alone, not the "
+                        "frozen base (read from --peft-base at every start, and by litespark-convert)")
     g.add_argument("--trainable-layers", type=int, default=None, metavar="K",
                    help="--peft freeze: the last K layers train; the embedding, the other layers, the final norm and "
                         "the output layer stay frozen")

@@ -532,7 +532,16 @@ def checkpoint_dir(path: str) -> str:
 
 
 def _checkpoint_shape(args, metadata, vocab: int) -> Shape:
-    """The checkpoint's model, refused if it is not a Llama."""
+    """The checkpoint's model, refused if it is not a Llama or lacks one of its tensors."""
+    shape = model_shape(args, vocab)
+    for key in [EMBEDDING, "decoder.final_layernorm.weight", *LAYER_KEYS] + ([] if shape.tied else [OUTPUT]):
+        if key not in metadata:
+            raise ConversionError(f"the checkpoint has no tensor {key}")
+    return shape
+
+
+def model_shape(args, vocab: int) -> Shape:
+    """The model of a checkpoint's arguments, refused if it is not a Llama."""
     llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
         not getattr(args, "add_qkv_bias", False) and args.position_embedding_type == "rope" and \
         args.rotary_percent == 1.0 and not args.rotary_interleaved and not args.num_experts and \
@@ -540,10 +549,6 @@ def _checkpoint_shape(args, metadata, vocab: int) -> Shape:
     if not llama:
         raise ConversionError("the checkpoint's model is not a Llama (RMSNorm, SwiGLU, no biases, full RoPE, dense, "
                               "no MLA or QK norms), which is what a HF LlamaForCausalLM holds")
-    for key in [EMBEDDING, "decoder.final_layernorm.weight", *LAYER_KEYS] + \
-            ([OUTPUT] if args.untie_embeddings_and_output_weights else []):
-        if key not in metadata:
-            raise ConversionError(f"the checkpoint has no tensor {key}")
     heads = args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
     return Shape(args.num_layers, args.hidden_size, args.ffn_hidden_size, heads, groups,
@@ -673,13 +678,14 @@ def checkpoint_arguments(directory: str):
 
 class CheckpointTensors:
     """The tensors of a torch_dist checkpoint, whole or one layer of the stacked [num_layers, ...] ones (in a
-    process group)."""
+    process group); those it lacks from `base`'s, where given (a --save-adapters-only run's base)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, base: Optional["CheckpointTensors"] = None) -> None:
         from megatron.core import dist_checkpointing
 
-        self.directory = directory
-        self.metadata = dist_checkpointing.load_tensors_metadata(directory)
+        self.directory, self.base = directory, base
+        self.own = dist_checkpointing.load_tensors_metadata(directory)
+        self.metadata = {**(base.metadata if base else {}), **self.own}
 
     def __contains__(self, key: str) -> bool:
         return key in self.metadata
@@ -688,6 +694,8 @@ class CheckpointTensors:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+        if key not in self.own and self.base is not None:
+            return self.base.get(key, layer)
         meta = self.metadata[key]
         if layer is None:
             request = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype),
@@ -702,9 +710,10 @@ class CheckpointTensors:
 
 def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[int] = None,
               tokenizer: Optional[str] = None, max_shard_size: str = "5GB", quiet: bool = False,
-              merge_adapters: bool = False) -> None:
+              merge_adapters: bool = False, peft_base: Optional[str] = None) -> None:
     """Megatron-LM torch_dist checkpoint (any layout, any Llama spec) -> HF directory `out`. A --peft lora|dora
-    run's checkpoint exports with merge_adapters: W + s B A (DoRA: scaled to its magnitudes), a plain HF Llama."""
+    run's checkpoint exports with merge_adapters: W + s B A (DoRA: scaled to its magnitudes), a plain HF Llama; a
+    --save-adapters-only run's base is read from its --peft-base (or `peft_base`)."""
     _check_target(out)
     max_bytes = _parse_size(max_shard_size)
     directory = checkpoint_dir(ckpt)
@@ -713,7 +722,7 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
 
         args = checkpoint_arguments(directory)
         adapters = hf_peft.adapters_of(args, directory, merge_adapters)
-        tensors = CheckpointTensors(directory)
+        tensors = CheckpointTensors(directory, hf_peft.base_of(args, directory, peft_base))
         metadata = tensors.metadata
         if EMBEDDING not in metadata:
             raise ConversionError(f"the checkpoint has no tensor {EMBEDDING}")
@@ -789,6 +798,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--merge-adapters", action="store_true",
                      help="a --peft lora|dora run: its adapters merged into the weights (W + s B A; DoRA scaled to "
                           "its magnitudes), a plain HF Llama")
+    exp.add_argument("--peft-base", help="a --save-adapters-only run's base checkpoint (default: the run's "
+                                         "--peft-base)")
     ada = sub.add_parser("export-adapter", help="a --peft lora|dora checkpoint's adapters -> HF peft adapter "
                                                 "directory (adapter_config.json, adapter_model.safetensors)")
     ada.add_argument("ckpt", help="a --save directory (its latest checkpoint) or one iter_* directory")
@@ -814,7 +825,7 @@ def main(argv=None) -> int:
                   f"{os.path.join(opts.out, 'model.yaml')} --load {opts.out} ...")
         elif opts.command == "export":
             export_hf(opts.ckpt, opts.out, opts.dtype, opts.vocab_size, opts.tokenizer, opts.max_shard_size,
-                      opts.quiet, opts.merge_adapters)
+                      opts.quiet, opts.merge_adapters, opts.peft_base)
             print(f"{PROG}: wrote {opts.out}")
         else:
             from .hf_peft import export_adapter

@@ -22,8 +22,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .hf import (DTYPES, CheckpointTensors, ConversionError, Shape, _check_target, _checkpoint_shape, _commit, _start,
-                 checkpoint_arguments, checkpoint_dir, single_process_group)
+from .hf import (DTYPES, CheckpointTensors, ConversionError, Shape, _check_target, _commit, _start, checkpoint_arguments,
+                 checkpoint_dir, model_shape, single_process_group)
 from .layers.adapters import interleave, projections
 
 HF_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -99,6 +99,21 @@ def adapters_of(args, directory: str, merge: bool) -> Optional[Adapters]:
     return None
 
 
+def base_of(args, directory: str, peft_base: Optional[str]) -> Optional[CheckpointTensors]:
+    """The base tensors of a --save-adapters-only run's checkpoint (which holds its adapters alone): its --peft-base,
+    or `peft_base`; None for a checkpoint that holds its model whole."""
+    if not getattr(args, "save_adapters_only", False):
+        return None
+    from .arguments import latest_checkpoint_dir
+
+    where = peft_base or args.peft_base
+    found = latest_checkpoint_dir(where) if where and os.path.isdir(where) else None
+    if found is None:
+        raise ConversionError(f"{directory} holds the adapters alone (--save-adapters-only), and its base {where} "
+                              "holds no checkpoint: give the base with --peft-base")
+    return CheckpointTensors(found)
+
+
 def adapter_config(peft, base_model: Optional[str]) -> dict:
     """HF peft's LoraConfig of these adapters, as peft's save_pretrained writes its main fields."""
     adapter = peft.adapter
@@ -130,8 +145,7 @@ def export_adapter(ckpt: str, out: str, dtype: Optional[str] = None, base_model:
                 "a model without adapters (no --peft lora|dora run): export"
             raise ConversionError(f"{directory} holds {what} it with litespark-convert export")
         tensors = CheckpointTensors(directory)
-        rows = tensors.metadata["embedding.word_embeddings.weight"].global_shape[0]
-        shape = _checkpoint_shape(args, tensors.metadata, rows)
+        shape = model_shape(args, vocab=0)  # (the adapters do not depend on the vocabulary)
         adapters = Adapters(args)
         weights = {}
         for layer in range(shape.layers):

@@ -13,9 +13,10 @@ initialized, before megatron.training moves, wraps it for data parallelism and b
 
 megatron.training then allocates gradients and optimizer state (the distributed optimizer's shards included) for
 the trainable parameters only, and its checkpoints, resume, async saves and --keep-last-checkpoints work as for
-pretraining: a checkpoint holds the base's tensors under their own keys and the adapters beside them. `--load`
-keeps megatron.training's meaning, this run's own checkpoints; --peft-base is read again at every start (the
-checkpoint's base tensors then replace it, the same tensors). megatron.training's own --freeze-all-layers freezes
+pretraining: a checkpoint holds the base's tensors under their own keys and the adapters beside them, or, with
+--save-adapters-only (lora/dora), the adapters and their optimizer state alone (platform/checkpoint_contents.py).
+`--load` keeps megatron.training's meaning, this run's own checkpoints; --peft-base is read again at every start (a
+whole checkpoint's base tensors then replace it, the same tensors). megatron.training's own --freeze-all-layers freezes
 every parameter (and turns the distributed optimizer off): what it is for, forward-only use, is not this.
 
 LoRA-plus (--lora-plus-ratio F): B's learning rate (and DoRA's magnitudes', as HF peft's create_loraplus_optimizer
@@ -75,6 +76,9 @@ def check(args) -> None:
         raise ConfigError(f"{lora_flags[0]} sets the adapters of --peft lora or dora; "
                           f"{'this run has no --peft' if method is None else f'--peft {method} has none'}: add "
                           "--peft lora (or dora), or drop the flag")
+    if args.save_adapters_only and method not in ("lora", "dora"):
+        raise ConfigError("--save-adapters-only saves the adapters of --peft lora or dora alone: add one, or drop "
+                          "the flag")
     if args.trainable_layers is not None and method != "freeze":
         raise ConfigError("--trainable-layers K trains the last K layers of --peft freeze: add --peft freeze, or "
                           "drop it")
@@ -161,6 +165,9 @@ def check_checkpoint(args, saved, where: str) -> None:
                               "--load")
         return
     mine = args.peft if args.peft in ("lora", "dora") else None
+    if getattr(saved, "save_adapters_only", False) and not args.save_adapters_only:
+        raise ConfigError(f"{where} holds the adapters alone (a --save-adapters-only run): resume it with "
+                          "--save-adapters-only and its --peft flags, the base from --peft-base")
     if adapters_there and mine is None:
         raise ConfigError(f"{where} holds a --peft {theirs} run (its adapters beside the base): resume it with the "
                           "same --peft flags and --peft-base, or merge it (litespark-convert export "
@@ -186,6 +193,10 @@ def attach(model_config, args) -> None:
         from .platform import add_optimizer_overrides
 
         add_optimizer_overrides(lambda config: lora_plus_overrides(config, peft.lora_plus_ratio))
+    if args.save_adapters_only:
+        from .platform import save_trainable_only
+
+        save_trainable_only()
 
 
 def lora_plus_overrides(config, ratio: float) -> dict:

@@ -8,13 +8,14 @@
 - TP2+SP and PP2 take the single-process optimizer steps (DoRA, RSLoRA, LoRA-plus), the optimizer holds the
   adapters alone and LoRA-plus gives B its learning rate;
 - litespark-train: the base's tensors stay bit for bit those of --peft-base, the optimizer state is the adapters',
-  resume is bit-exact, the merged HF export computes what HF peft computes with the adapter, and a checkpoint with
-  adapters neither exports nor loads as a plain model;
+  resume is bit-exact (saving the adapters alone: --save-adapters-only, whose merged export reads the base from
+  --peft-base), the merged HF export computes what HF peft computes with the adapter, and a checkpoint with adapters
+  neither exports nor loads as a plain model;
 - --peft freeze --trainable-layers 1 under PP2 with the distributed optimizer (the first stage has nothing to
   train) trains the last layer alone and saves;
 - bad flags are one line.
 
-The runs are shared: one import, four worker runs, one training run and one conversion process for most tests.
+The runs are shared: one import, four worker runs, a training run and its resumption, and one conversion process.
 """
 import json
 import sys
@@ -120,14 +121,20 @@ def runs(base, tokens, tmp_path_factory):
         reports[name] = torch.load(tmp / f"{name}.pt")
         conversions.append(["export-adapter", tmp / name, tmp / f"{name}.adapter", "--base-model", base[0]])
     training = parity_run(tmp, 1, model_flags(base) + DORA + TRAIN + ["--save", tmp / "trained", "--save-interval", 2])
+    # resumed from step 2, saving the adapters alone
+    resumed = parity_run(tmp, 1, model_flags(base) + DORA + TRAIN + ["--load", tmp / "trained", "--ckpt-step", 2,
+                                                                     "--save", tmp / "resumed", "--save-interval", 2,
+                                                                     "--save-adapters-only"])
     conversions += [["export-adapter", tmp / "trained", tmp / "trained.adapter"],
                     ["export", tmp / "trained", tmp / "trained.merged", "--merge-adapters"],
+                    ["export", tmp / "resumed", tmp / "resumed.merged", "--merge-adapters"],
                     ["export", tmp / "trained", tmp / "trained.plain"]]
     converted = convert_many(tmp, *conversions)
-    assert [code for code, _ in converted] == [0] * (len(WORKERS) + 2) + [2], converted
+    assert [code for code, _ in converted] == [0] * (len(WORKERS) + 3) + [2], converted
     return SimpleNamespace(reports=reports, adapters={name: tmp / f"{name}.adapter" for name in WORKERS},
                            training=training, ckpt=tmp / "trained", adapter=tmp / "trained.adapter",
-                           merged=tmp / "trained.merged", plain_export=converted[-1][1])
+                           merged=tmp / "trained.merged", plain_export=converted[-1][1], resumed=resumed,
+                           resumed_ckpt=tmp / "resumed", resumed_merged=tmp / "resumed.merged")
 
 
 # --------------------------------------------------------------------------------------------- the oracle
@@ -198,14 +205,18 @@ def test_training_leaves_the_base_as_it_was_and_the_optimizer_state_is_the_adapt
     assert len(state) == 2 * len(adapters) and all(".adapter." in k for k in state), state[:5]
 
 
-def test_resume_is_bit_exact(runs, base, tmp_path):
-    resumed = parity_run(tmp_path, 1, model_flags(base) + DORA + TRAIN + ["--load", runs.ckpt, "--ckpt-step", 2,
-                                                                           "--save", tmp_path / "ckpt",
-                                                                           "--save-interval", 2])
-    assert resumed["losses"] == runs.training["losses"][2:]
-    ours, theirs = checkpoint_tensors(tmp_path / "ckpt"), checkpoint_tensors(runs.ckpt)
-    trained = [k for k in theirs if ".adapter." in k]  # the adapters and their optimizer state
-    assert trained and all(torch.equal(ours[k], theirs[k]) for k in trained)
+def test_resume_is_bit_exact_and_saves_the_adapters_alone(runs, base):
+    """Resumed at step 2 with --save-adapters-only: step 3 as the uninterrupted run, its checkpoint the adapters and
+    their optimizer state alone, bit for bit those of the uninterrupted run, and its merged export (the base read
+    from --peft-base) the uninterrupted run's, bit for bit."""
+    from safetensors.torch import load_file
+
+    assert runs.resumed["losses"] == runs.training["losses"][2:]
+    ours, theirs = checkpoint_tensors(runs.resumed_ckpt), checkpoint_tensors(runs.ckpt)
+    assert sorted(ours) == sorted(k for k in theirs if ".adapter." in k)  # nothing of the base
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    merged, resumed = load_file(runs.merged / "model.safetensors"), load_file(runs.resumed_merged / "model.safetensors")
+    assert sorted(merged) == sorted(resumed) and all(torch.equal(merged[k], resumed[k]) for k in merged)
 
 
 def test_the_merged_export_computes_what_hf_peft_computes_with_the_adapter(runs, base, tokens):
@@ -235,6 +246,10 @@ def test_a_checkpoint_with_adapters_neither_exports_nor_loads_as_a_plain_model(r
     with pytest.raises(ConfigError, match="holds adapters of --peft dora, rank 4, .* this run builds --peft dora, "
                                           "rank 8"):
         arguments.check_checkpoints(arguments.resolve(flags + peft, cpu))
+    alone = [str(f) for f in ["--config", base[1] / "model.yaml", "--load", runs.resumed_ckpt] + TRAIN +
+             model_flags(base) + DORA]
+    with pytest.raises(ConfigError, match="holds the adapters alone .*: resume it with --save-adapters-only"):
+        arguments.check_checkpoints(arguments.resolve(alone, cpu))
 
 
 # --------------------------------------------------------------------------------------------- freeze
@@ -256,6 +271,8 @@ def test_freeze_trains_the_last_layer_alone_with_a_pipeline_stage_that_has_nothi
 @pytest.mark.parametrize("flags, message", [
     (["--peft", "lora"], "--peft lora fine-tunes a base model: give --peft-base CKPT"),
     (["--lora-rank", "4"], "--lora-rank sets the adapters of --peft lora or dora; this run has no --peft"),
+    (["--peft", "freeze", "--peft-base", "{base}", "--trainable-layers", "1", "--save-adapters-only"],
+     "--save-adapters-only saves the adapters of --peft lora or dora alone"),
     (["--peft", "freeze", "--peft-base", "{base}"], "--peft freeze trains the last layers of the model: give "
                                                     "--trainable-layers K (1 to 4)"),
     (["--peft", "freeze", "--peft-base", "{base}", "--trainable-layers", "5"], "--trainable-layers 5: give 1 to 4"),
