@@ -10,7 +10,8 @@ then the output's dtype, what peft's merge_and_unload computes:
 
     LoRA  W' = W + s B A                    DoRA  W' = m / ||W + s B A||_row * (W + s B A)
 
-with B A of the fused QKV and [gate; up] interleaved into megatron-core's fused layout before hf.py splits it.
+with B A of the fused QKV and [gate; up] interleaved into megatron-core's fused layout before hf.py splits it. A
+--save-adapters-only run's checkpoint holds the adapters alone: the merge reads the base from its --peft-base.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .hf import (DTYPES, CheckpointTensors, ConversionError, Shape, _check_target, _commit, _start, checkpoint_arguments,
-                 checkpoint_dir, model_shape, single_process_group)
+from .hf import (DTYPES, CheckpointTensors, ConversionError, Shape, _check_target, _commit, _start,
+                 checkpoint_arguments, checkpoint_dir, model_shape, single_process_group)
 from .layers.adapters import interleave, projections
 
 HF_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",

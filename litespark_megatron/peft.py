@@ -34,7 +34,6 @@ import torch
 from .errors import ConfigError
 from .layers.adapters import TARGETS, AdapterSettings
 
-METHODS = ("lora", "dora", "freeze")
 DEFAULT_RANK = 8  # HF peft's and LLaMA-Factory's default rank; the default alpha is twice the rank (LLaMA-Factory)
 
 
@@ -79,6 +78,9 @@ def check(args) -> None:
     if args.save_adapters_only and method not in ("lora", "dora"):
         raise ConfigError("--save-adapters-only saves the adapters of --peft lora or dora alone: add one, or drop "
                           "the flag")
+    if args.save_adapters_only and args.ckpt_format != "torch_dist":
+        raise ConfigError(f"--save-adapters-only with --ckpt-format {args.ckpt_format}: it leaves the base out of "
+                          "torch_dist checkpoints (Megatron-LM's default format) only; use torch_dist")
     if args.trainable_layers is not None and method != "freeze":
         raise ConfigError("--trainable-layers K trains the last K layers of --peft freeze: add --peft freeze, or "
                           "drop it")

@@ -273,6 +273,8 @@ def test_freeze_trains_the_last_layer_alone_with_a_pipeline_stage_that_has_nothi
     (["--lora-rank", "4"], "--lora-rank sets the adapters of --peft lora or dora; this run has no --peft"),
     (["--peft", "freeze", "--peft-base", "{base}", "--trainable-layers", "1", "--save-adapters-only"],
      "--save-adapters-only saves the adapters of --peft lora or dora alone"),
+    (["--peft", "lora", "--peft-base", "{base}", "--save-adapters-only", "--ckpt-format", "torch"],
+     "--save-adapters-only with --ckpt-format torch: it leaves the base out of torch_dist checkpoints"),
     (["--peft", "freeze", "--peft-base", "{base}"], "--peft freeze trains the last layers of the model: give "
                                                     "--trainable-layers K (1 to 4)"),
     (["--peft", "freeze", "--peft-base", "{base}", "--trainable-layers", "5"], "--trainable-layers 5: give 1 to 4"),
