@@ -26,8 +26,9 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]==2.20.2"],
-        # liger-kernel: the benchmark's hf-liger peer (its checks run on a CPU too).
-        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib", "liger-kernel==0.8.5"],
+        # liger-kernel: the benchmark's hf-liger peer (its checks run on a CPU too); peft: HF peft, the tests' oracle
+        # of --peft lora|dora (the exported adapter loaded with it).
+        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib", "liger-kernel==0.8.5", "peft==0.21.2"],
         "bench": ["liger-kernel==0.8.5"],
         # Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir log to Weights & Biases.
         "wandb": ["wandb"],

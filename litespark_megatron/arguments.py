@@ -124,6 +124,33 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="K",
                    help="keep the K newest complete checkpoints in --save and delete older ones once a newer save "
                         "is complete (the one the tracker names is never deleted); default: keep all")
+    g.add_argument("--peft", choices=("lora", "dora", "freeze"), default=None,
+                   help="parameter-efficient fine-tuning of --peft-base: 'lora' (LoRA adapters on the layer's "
+                        "linears), 'dora' (weight-decomposed LoRA), 'freeze' (only the last --trainable-layers K "
+                        "layers train); only those parameters get gradients and optimizer state")
+    g.add_argument("--peft-base", default=None, metavar="CKPT",
+                   help="the base model of --peft: a Megatron-LM checkpoint directory (litespark-convert import, or "
+                        "a pretraining run's --save), read at every start; --load stays this run's own checkpoints")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R", help="the adapters' rank (default 8)")
+    g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                   help="the adapters' alpha: B A is scaled by alpha / rank (default: twice the rank)")
+    g.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="dropout on the adapters' input (default 0)")
+    g.add_argument("--lora-targets", nargs="+", default=None, metavar="LINEAR",
+                   help="the linears that get adapters, of linear_qkv, linear_proj, linear_fc1, linear_fc2 (default: "
+                        "all four; HF's q/k/v, o, gate/up and down projections)")
+    g.add_argument("--lora-scaling", choices=("standard", "rs"), default=None,
+                   help="'standard': B A scaled by alpha / rank; 'rs': rank-stabilized LoRA, alpha / sqrt(rank) "
+                        "(HF peft's use_rslora) (default: standard)")
+    g.add_argument("--lora-plus-ratio", type=float, default=None, metavar="F",
+                   help="LoRA-plus: B's learning rate (and DoRA's magnitudes') is F times --lr (and --min-lr) "
+                        "through the whole schedule")
+    g.add_argument("--save-adapters-only", action="store_true",
+                   help="--peft lora|dora: checkpoints hold the adapters and their optimizer state alone, not the "
+                        "frozen base (read from --peft-base at every start, and by litespark-convert)")
+    g.add_argument("--trainable-layers", type=int, default=None, metavar="K",
+                   help="--peft freeze: the last K layers train; the embedding, the other layers, the final norm and "
+                        "the output layer stay frozen")
 
     def error(message):
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
@@ -346,6 +373,9 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_litespark_rmsnorm(args, plat)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
+    from .peft import check as check_peft
+
+    check_peft(args)
     if args.litespark_spec == "litespark":
         llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
             args.position_embedding_type in ("rope", "none")
@@ -412,7 +442,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
             raise ConfigError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt); point "
                               "--load at the --save directory of an earlier run (the same directory as --save "
                               "starts fresh when it holds none yet)")
-    for directory in (args.load, args.pretrained_checkpoint):
+    for directory in (args.load, args.pretrained_checkpoint, args.peft_base):
         _check_checkpoint(args, directory)
     from .legacy_checkpoint import check as check_legacy_checkpoint
 
@@ -861,7 +891,10 @@ def check_checkpoints(args) -> None:
     """The checkpoints the run loads against its validated arguments (megatron.training stores its arguments in a
     checkpoint's common state), before any process group: a model of another shape would fail in the loader, after
     the process groups are up and --save is created."""
-    for flag, load_dir in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+    from .peft import check_checkpoint as check_peft_checkpoint
+
+    for flag, load_dir in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint),
+                           ("--peft-base", args.peft_base)):
         directory = _loaded_checkpoint_dir(args, load_dir)
         if directory is None or not os.path.isfile(os.path.join(directory, "metadata.json")):
             continue  # none there, or not a torch_dist checkpoint: megatron.training's loader speaks for it
@@ -872,6 +905,7 @@ def check_checkpoints(args) -> None:
         if not isinstance(saved, argparse.Namespace):
             continue  # none, or the earlier trainer's (legacy_checkpoint.py)
         _check_checkpoint_model(args, saved, f"{flag} {load_dir}")
+        check_peft_checkpoint(args, saved, f"{flag} {load_dir}")
         # megatron.training resumes the schedule of --load's checkpoint, not of a release or --finetune's
         if flag == "--load" and not (os.path.basename(directory) == "release" or args.finetune or
                                      args.no_load_optim):

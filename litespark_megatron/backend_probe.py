@@ -232,7 +232,9 @@ def wgrad_fusion_counts(models) -> tuple:
 
 def fusion_states(models, config, device_type: str) -> Dict[str, str]:
     fused, total = wgrad_fusion_counts(models)
-    wgrad = "off" if fused == 0 else "on" if fused == total else f"partial ({fused} of {total} linears)"
+    # no trainable linear (--peft lora|dora: the adapters are no fused linears): no weight gradient to accumulate
+    wgrad = "n/a" if total == 0 else "off" if fused == 0 else "on" if fused == total else \
+        f"partial ({fused} of {total} linears)"
     return dict(cross_entropy=cross_entropy_state(config), rope=rope_state(models, config, device_type),
                 wgrad_accumulation=wgrad)
 

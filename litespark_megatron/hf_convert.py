@@ -1,5 +1,5 @@
-"""Hugging Face Llama checkpoints in and out: `litespark-convert import HF_DIR CKPT` and
-`litespark-convert export CKPT HF_DIR`.
+"""Hugging Face Llama checkpoints in and out: `litespark-convert import HF_DIR CKPT`, `litespark-convert export CKPT
+HF_DIR` and `litespark-convert export-adapter CKPT ADAPTER_DIR`.
 
 import  reads config.json (the model's shape comes from it, not from a preset) and the safetensors shards, and
         writes a Megatron-LM *release* checkpoint with megatron.training's own save_checkpoint (torch_dist format).
@@ -10,7 +10,9 @@ import  reads config.json (the model's shape comes from it, not from a preset) a
 export  reads any Megatron-LM torch_dist checkpoint of a Llama-shaped GPT (the Litespark and stock specs save the
         same keys), whatever layout it was saved in, one layer at a time, and writes config.json,
         generation_config.json, model.safetensors (sharded, with its index) and the tokenizer files. Norms a run
-        kept zero-centered (--apply-layernorm-1p: weight = gamma - 1) are written as HF's gamma.
+        kept zero-centered (--apply-layernorm-1p: weight = gamma - 1) are written as HF's gamma. A --peft lora|dora
+        run exports with --merge-adapters (its adapters merged into the weights); `export-adapter` writes them as
+        HF peft's adapter files instead (hf_peft.py).
 
 The two weight layouts that differ (megatron-core's, in every layout; HF's LlamaForCausalLM):
     linear_qkv.weight = for each KV group g: [the query heads of g; k_g; v_g]   <- q_proj, k_proj, v_proj
@@ -330,7 +332,7 @@ def _progress(total: int, desc: str, quiet: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=quiet, file=sys.stderr)
 
 
-def _check_target(path: str) -> None:
+def check_output_target(path: str) -> None:
     """The output must be new or an empty directory, in an existing one."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise ConversionError(f"{path} exists and is not an empty directory: give a new output directory")
@@ -339,15 +341,15 @@ def _check_target(path: str) -> None:
         raise ConversionError(f"{parent}: no such directory for the output")
 
 
-def _start(path: str) -> str:
-    """The temporary directory the output is built in (renamed to `path` by _commit): a failure leaves nothing."""
+def start_output(path: str) -> str:
+    """The temporary directory the output is built in (renamed to `path` by commit_output): a failure leaves nothing."""
     tmp = os.path.abspath(path).rstrip(os.sep) + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     return tmp
 
 
-def _commit(tmp: str, path: str) -> None:
+def commit_output(tmp: str, path: str) -> None:
     if os.path.isdir(path):
         os.rmdir(path)  # empty (checked)
     os.replace(tmp, path)
@@ -419,7 +421,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
               quiet: bool = False) -> Dict[str, object]:
     """HF Llama directory -> Megatron-LM release checkpoint in `out` (+ model.yaml, tokenizer/). Returns the model
     flags."""
-    _check_target(out)
+    check_output_target(out)
     config = read_config(hf_dir)
     shape = shape_of(config)
     weights = HfWeights(hf_dir)
@@ -430,7 +432,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
     torch_dtype = DTYPES[dtype] if dtype else weights.dtype()
     if torch_dtype is None:
         raise ConversionError(f"{hf_dir}: weights stored in another dtype than bf16, fp16 or fp32; give --dtype")
-    tmp = _start(out)
+    tmp = start_output(out)
     try:
         with single_process_group():
             from megatron.training.checkpointing import save_checkpoint
@@ -465,7 +467,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, tokenizer: Opt
                           tokenizer_vocab)
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, os.path.join(tmp, "tokenizer"))
-        _commit(tmp, out)
+        commit_output(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -530,7 +532,16 @@ def checkpoint_dir(path: str) -> str:
 
 
 def _checkpoint_shape(args, metadata, vocab: int) -> Shape:
-    """The checkpoint's model, refused if it is not a Llama."""
+    """The checkpoint's model, refused if it is not a Llama or lacks one of its tensors."""
+    shape = model_shape(args, vocab)
+    for key in [EMBEDDING, "decoder.final_layernorm.weight", *LAYER_KEYS] + ([] if shape.tied else [OUTPUT]):
+        if key not in metadata:
+            raise ConversionError(f"the checkpoint has no tensor {key}")
+    return shape
+
+
+def model_shape(args, vocab: int) -> Shape:
+    """The model of a checkpoint's arguments, refused if it is not a Llama."""
     llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
         not getattr(args, "add_qkv_bias", False) and args.position_embedding_type == "rope" and \
         args.rotary_percent == 1.0 and not args.rotary_interleaved and not args.num_experts and \
@@ -538,10 +549,6 @@ def _checkpoint_shape(args, metadata, vocab: int) -> Shape:
     if not llama:
         raise ConversionError("the checkpoint's model is not a Llama (RMSNorm, SwiGLU, no biases, full RoPE, dense, "
                               "no MLA or QK norms), which is what a HF LlamaForCausalLM holds")
-    for key in [EMBEDDING, "decoder.final_layernorm.weight", *LAYER_KEYS] + \
-            ([OUTPUT] if args.untie_embeddings_and_output_weights else []):
-        if key not in metadata:
-            raise ConversionError(f"the checkpoint has no tensor {key}")
     heads = args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
     return Shape(args.num_layers, args.hidden_size, args.ffn_hidden_size, heads, groups,
@@ -658,22 +665,65 @@ def _parse_size(text: str) -> int:
     raise ConversionError(f"--max-shard-size {text}: give a size such as 5GB or 500MB")
 
 
-def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[int] = None,
-              tokenizer: Optional[str] = None, max_shard_size: str = "5GB", quiet: bool = False) -> None:
-    """Megatron-LM torch_dist checkpoint (any layout, any Llama spec) -> HF directory `out`."""
-    _check_target(out)
-    max_bytes = _parse_size(max_shard_size)
-    directory = checkpoint_dir(ckpt)
-    with single_process_group():
+def checkpoint_arguments(directory: str):
+    """The Megatron-LM arguments a torch_dist checkpoint was saved with (in a process group)."""
+    from megatron.core import dist_checkpointing
+
+    args = dist_checkpointing.load_common_state_dict(directory).get("args")
+    if args is None or isinstance(args, dict):
+        raise ConversionError(f"{directory}: the checkpoint has no Megatron-LM arguments (a checkpoint of "
+                              "litespark-megatron's old trainer: load it with --finetune and save it once)")
+    return args
+
+
+class CheckpointTensors:
+    """The tensors of a torch_dist checkpoint, whole or one layer of the stacked [num_layers, ...] ones (in a
+    process group); those it lacks from `base`'s, where given (a --save-adapters-only run's base)."""
+
+    def __init__(self, directory: str, base: Optional["CheckpointTensors"] = None) -> None:
+        from megatron.core import dist_checkpointing
+
+        self.directory, self.base = directory, base
+        self.own = dist_checkpointing.load_tensors_metadata(directory)
+        self.metadata = {**(base.metadata if base else {}), **self.own}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.metadata
+
+    def get(self, key: str, layer: Optional[int] = None) -> torch.Tensor:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        common = dist_checkpointing.load_common_state_dict(directory)
-        args = common.get("args")
-        if args is None or isinstance(args, dict):
-            raise ConversionError(f"{directory}: the checkpoint has no Megatron-LM arguments (a checkpoint of "
-                                  "litespark-megatron's old trainer: load it with --finetune and save it once)")
-        metadata = dist_checkpointing.load_tensors_metadata(directory)
+        if key not in self.own and self.base is not None:
+            return self.base.get(key, layer)
+        meta = self.metadata[key]
+        if layer is None:
+            request = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype),
+                                                      replica_id=0)
+        else:
+            # layer i of the stacked [num_layers, ...] tensor: one slice of its first axis
+            request = ShardedTensor.from_rank_offsets(key, torch.empty((1, *meta.global_shape[1:]), dtype=meta.dtype),
+                                                      (0, layer, meta.global_shape[0]), replica_id=0)
+        tensor = dist_checkpointing.load({key: request}, self.directory, validate_access_integrity=False)[key]
+        return tensor if layer is None else tensor[0]
+
+
+def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[int] = None,
+              tokenizer: Optional[str] = None, max_shard_size: str = "5GB", quiet: bool = False,
+              merge_adapters: bool = False, peft_base: Optional[str] = None) -> None:
+    """Megatron-LM torch_dist checkpoint (any layout, any Llama spec) -> HF directory `out`. A --peft lora|dora
+    run's checkpoint exports with merge_adapters: W + s B A (DoRA: scaled to its magnitudes), a plain HF Llama; a
+    --save-adapters-only run's base is read from its --peft-base (or `peft_base`)."""
+    check_output_target(out)
+    max_bytes = _parse_size(max_shard_size)
+    directory = checkpoint_dir(ckpt)
+    with single_process_group():
+        from . import hf_peft
+
+        args = checkpoint_arguments(directory)
+        adapters = hf_peft.adapters_of(args, directory, merge_adapters)
+        tensors = CheckpointTensors(directory, hf_peft.base_of(args, directory, peft_base))
+        metadata = tensors.metadata
         if EMBEDDING not in metadata:
             raise ConversionError(f"the checkpoint has no tensor {EMBEDDING}")
         shape = _checkpoint_shape(args, metadata, _true_vocab(args, metadata[EMBEDDING].global_shape[0], vocab))
@@ -691,24 +741,16 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
                              getattr(args, "apply_layernorm_1p", False))
 
         def load(key: str, layer: Optional[int]) -> torch.Tensor:
-            meta = metadata[key]
-            if layer is None:
-                request = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype),
-                                                          replica_id=0)
-            else:
-                # layer i of the stacked [num_layers, ...] tensor: one slice of its first axis
-                request = ShardedTensor.from_rank_offsets(key, torch.empty((1, *meta.global_shape[1:]),
-                                                                           dtype=meta.dtype),
-                                                          (0, layer, shape.layers), replica_id=0)
-            tensor = dist_checkpointing.load({key: request}, directory, validate_access_integrity=False)[key]
-            tensor = tensor if layer is None else tensor[0]
+            tensor = tensors.get(key, layer)
             if zero_centered and "norm" in key:
                 tensor = tensor + 1  # stored as gamma - 1; HF's RMSNorm weight is gamma
+            if adapters is not None and layer is not None:
+                tensor = adapters.merged(key, layer, tensor, tensors, shape)
             return tensor
 
         keys = [(EMBEDDING, None)] + [(k, i) for i in range(shape.layers) for k in LAYER_KEYS] + \
             [("decoder.final_layernorm.weight", None)] + ([] if shape.tied else [(OUTPUT, None)])
-        tmp = _start(out)
+        tmp = start_output(out)
         try:
             writer = ShardWriter(tmp, max_bytes)
             with _progress(len(keys), "export", quiet) as bar:
@@ -727,7 +769,7 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
             if tokenizer_dir is not None:
                 _copy_tokenizer(tokenizer_dir, tmp)
-            _commit(tmp, out)
+            commit_output(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -753,7 +795,19 @@ def parser() -> argparse.ArgumentParser:
                                          "--tokenizer-model when it is one, else an import's tokenizer/ beside "
                                          "the checkpoint)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    for sp in (imp, exp):
+    exp.add_argument("--merge-adapters", action="store_true",
+                     help="a --peft lora|dora run: its adapters merged into the weights (W + s B A; DoRA scaled to "
+                          "its magnitudes), a plain HF Llama")
+    exp.add_argument("--peft-base", help="a --save-adapters-only run's base checkpoint (default: the run's "
+                                         "--peft-base)")
+    ada = sub.add_parser("export-adapter", help="a --peft lora|dora checkpoint's adapters -> HF peft adapter "
+                                                "directory (adapter_config.json, adapter_model.safetensors)")
+    ada.add_argument("ckpt", help="a --save directory (its latest checkpoint) or one iter_* directory")
+    ada.add_argument("out", help="the adapter directory to create")
+    ada.add_argument("--dtype", choices=list(DTYPES), help="stored dtype (default: the checkpoint's)")
+    ada.add_argument("--base-model", help="adapter_config.json's base_model_name_or_path: the HF export of the "
+                                          "run's --peft-base, which peft loads the adapter onto")
+    for sp in (imp, exp, ada):
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -769,10 +823,16 @@ def main(argv=None) -> int:
             print(f"{PROG}: wrote {opts.out} ({flags['num-layers']} layers, hidden {flags['hidden-size']}, vocabulary "
                   f"{flags['vocab-size']}); train from it with: litespark-train --config "
                   f"{os.path.join(opts.out, 'model.yaml')} --load {opts.out} ...")
-        else:
+        elif opts.command == "export":
             export_hf(opts.ckpt, opts.out, opts.dtype, opts.vocab_size, opts.tokenizer, opts.max_shard_size,
-                      opts.quiet)
+                      opts.quiet, opts.merge_adapters, opts.peft_base)
             print(f"{PROG}: wrote {opts.out}")
+        else:
+            from .hf_peft import export_adapter
+
+            export_adapter(opts.ckpt, opts.out, opts.dtype, opts.base_model)
+            print(f"{PROG}: wrote {opts.out}; load it with peft.PeftModel.from_pretrained(<the base's HF model>, "
+                  f"{opts.out!r})")
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -37,6 +37,8 @@ def model_config_from_args(args):
         bound["core_attention"] = args.core_attention
     if getattr(args, "litespark_rmsnorm", False):
         bound["norm"] = "litespark"
+    if getattr(args, "peft", None) in ("lora", "dora"):
+        bound["adapters"] = True  # te: the norms before the adapted linears become modules of their own
     if bound:
         from .specs import litespark_layer_spec
 
@@ -45,6 +47,10 @@ def model_config_from_args(args):
     model_config.pre_wrap_hooks.append(lambda chunks: _init_chunks(chunks, seed))
     vocab = _unpadded_vocab(args)
     model_config.pre_wrap_hooks.append(lambda chunks: mask_padded_vocab(chunks, vocab))
+    if getattr(args, "peft", None):
+        from . import peft
+
+        peft.attach(model_config, args)  # the base loaded, adapters attached, the rest frozen (after the init)
     return model_config
 
 
@@ -142,6 +148,11 @@ def is_expert(gname: str) -> bool:
     return ".mlp.experts.local_experts." in gname
 
 
+def parameter_generator(seed: int, gname: str, device) -> torch.Generator:
+    """The generator a parameter is drawn from: the run's seed and the parameter's global name."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
+
+
 def _tp_layout(name: str, param: torch.Tensor, config: TransformerConfig):
     """(partition dim, stride) of a tensor-parallel parameter, or None if it is replicated across TP."""
     if not getattr(param, "tensor_model_parallel", False):
@@ -186,8 +197,7 @@ def init_layout_invariant(model: GPTModel, config: TransformerConfig, seed: int)
         std = config.init_method_std
         if gname.endswith(_OUTPUT_PROJECTIONS):
             std /= math.sqrt(2.0 * config.num_layers)  # GPT-2 / Megatron scaled init of residual projections
-        generator = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
-        full = torch.empty(full_shape, dtype=torch.float32, device=param.device).normal_(0.0, std,
-                                                                                         generator=generator)
+        full = torch.empty(full_shape, dtype=torch.float32, device=param.device).normal_(
+            0.0, std, generator=parameter_generator(seed, gname, param.device))
         shard = _shard(full, layout[0], layout[1], tp_rank, tp_size) if layout else full
         param.copy_(shard.to(param.dtype))

@@ -54,7 +54,8 @@ def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = Fals
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
                              num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                              q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
-                             nsa=None, core_attention: str = "sdpa", norm: str = "default") -> ModuleSpec:
+                             nsa=None, core_attention: str = "sdpa", norm: str = "default",
+                             adapters: bool = False) -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     core_attention "sdpa" (both backends): torch's scaled_dot_product_attention (LitesparkCoreAttention); on Hopper
@@ -74,6 +75,9 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     column-parallel linear beside QKV, both reading the input norm's output (a module of its own then).
     norm "litespark" (--litespark-rmsnorm): every norm is a LitesparkRMSNorm running Litespark's kernel
     (kernels/rms_norm.py), on te a module of its own before plain TE linears, its keys mapped to the fused ones.
+    adapters (--peft lora|dora): the linears get LoRA/DoRA adapters after the model is built (peft.py), which read
+    the linear's input; on te the norms before QKV and fc1 are then modules of their own (TENorm) before plain TE
+    linears, their keys mapped to the fused ones, so the adapters see the normed input.
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -139,9 +143,10 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
     if own_norm:
         norm = fused_norm = ModuleSpec(module=LitesparkRMSNorm, params={"kernel": "litespark"})
-        if backend == "te":  # the norms leave TE's norm+GEMM modules: plain TE linears after them
-            qkv = fc1 = column
-            keys_map = _keys_map(False, bool(num_experts), False, nsa is not None)
+    if backend == "te" and (own_norm or adapters):  # the norms leave TE's norm+GEMM modules: plain TE linears
+        fused_norm = norm
+        qkv = fc1 = column
+        keys_map = _keys_map(False, bool(num_experts), False, nsa is not None)
 
     if multi_latent_attention:
         input_norm = norm  # MLA's first GEMMs (the down projections) take no fused norm
@@ -185,12 +190,12 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     )
 
 
-def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
-                         core_attention: str = "sdpa", norm: str = "default") -> TransformerBlockSubmodules:
+def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None, core_attention: str = "sdpa",
+                         norm: str = "default", adapters: bool = False) -> TransformerBlockSubmodules:
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
-    --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention) and
-    `core_attention` (--core-attention).
+    --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention),
+    `core_attention` (--core-attention), `norm` (--litespark-rmsnorm) and `adapters` (--peft lora|dora).
 
     Which layers are MoE (--moe-layer-freq, an int or a 0/1 list pattern) and which layers this stage holds
     (--pipeline-model-parallel-layout, or the even split with its uneven-first/last variants) follow megatron-core's
@@ -208,7 +213,7 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
                                         num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                         q_lora_rank=getattr(config, "q_lora_rank", None),
                                         qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
-                                        core_attention=core_attention, norm=norm)
+                                        core_attention=core_attention, norm=norm, adapters=adapters)
 
     dense = layer(None)
     moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock

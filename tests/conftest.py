@@ -44,6 +44,7 @@ if not GPU_PASS:
 # ends on short tests, not on one long test alone while the other worker idles.
 LONGEST_FIRST = (
     "test_architectures.py::test_layout_matches_single_process",
+    "test_peft.py",
     "test_quickstart.py",
     "test_parallel_parity.py",
     "test_trainer.py::test_resume_is_bit_exact_with_the_distributed_optimizer",

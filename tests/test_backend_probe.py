@@ -1,9 +1,11 @@
 """The backend probe: what attention and fused paths a model really ran, and the verdict on it. Synthetic cases for the
 classification (fused / flash / efficient / unfused / none), the probe on real torch calls on the CPU, and on a GPU
 with Transformer Engine the real thing."""
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litespark_megatron import backend_probe
@@ -111,6 +113,16 @@ def test_health_round_trips_through_metrics_records():
     assert backend_probe.from_metrics(records[:1]) is None
     assert verdict.summary() == ("attention torch SDPA cuDNN; fused: cross-entropy te, RoPE te, "
                                  "wgrad-accumulation on")
+
+
+def test_wgrad_accumulation_is_not_applicable_without_a_trainable_linear():
+    """--peft lora|dora freezes every linear (the adapters are plain parameters): nothing to accumulate, not a fused
+    path that is off (which a run asking for it would report as degraded)."""
+    linear = torch.nn.Linear(2, 2)
+    linear.gradient_accumulation_fusion = True
+    assert health.fusion_states([linear], SimpleNamespace(), "cuda")["wgrad_accumulation"] == "on"
+    linear.requires_grad_(False)
+    assert health.fusion_states([linear], SimpleNamespace(), "cuda")["wgrad_accumulation"] == "n/a"
 
 
 def test_requested_fusions_follow_megatron_flag_names():

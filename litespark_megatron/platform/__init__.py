@@ -12,6 +12,8 @@ test_checkpoint_dir.py): when megatron-core is upgraded, these are the files to 
     helper_processes.py  the `children` gap: the checkpoint writer's helpers end with the trainer
     callbacks.py         the one module that wraps megatron.training's loop (training_log, evaluate, saves, loads)
                          and fires events to its listeners (telemetry, the watchdog, the checkpoint directory)
+    optimizer_overrides.py  per-parameter optimizer overrides added to megatron.training's (LoRA-plus)
+    checkpoint_contents.py  checkpoints of the trainable parameters alone (--save-adapters-only)
 
 megatron.training (megatron-core 0.19.2) is the trainer. It assumes CUDA throughout; on a CPU-only torch,
 `apply_cpu_shims()` maps those assumptions to the CPU, one shim per assumption, each documented with the megatron
@@ -32,11 +34,13 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .checkpoint_contents import save_trainable_only  # noqa: F401
 from .detection import Platform, current_device, detect, te_importable  # noqa: F401
 from .helper_processes import STOP_SIGNALS, die_with_parent, helper_processes_die_with_the_trainer  # noqa: F401
 from .library_gaps import (load_optimizer_shards_without_autograd, pass_rope_scaling_factor,  # noqa: F401
                            provide_wgrad_accumulation_kernel, resume_distributed_optimizer_on_torch_adam,
                            use_shipped_dataset_helpers)
+from .optimizer_overrides import add_optimizer_overrides  # noqa: F401
 
 # Versions the shims were written against: a test fails when the installed ones differ.
 MEGATRON_CORE_VERSION = "0.19.2"

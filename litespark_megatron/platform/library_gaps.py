@@ -49,6 +49,8 @@ def resume_distributed_optimizer_on_torch_adam() -> None:
     tensor per parameter (Apex's and TE's keep it per param group). Resuming it fails three ways in 0.19.2:
     - state_dict() takes 'step' from that per-parameter state and asserts it holds one value; load_checkpoint
       asks for it before the first step, when the state is empty (bare `assert len(steps) == 1`): it is 0 there.
+      A rank whose optimizer holds no parameter at all (a pipeline stage with nothing to train, --peft) never has
+      a state, and every save failed on the same assert: its step is 0 too (tests/test_peft.py, freeze).
     - load_state_dict() puts ONE step tensor into every parameter's state; torch's Adam increments each
       parameter's step in place, so after a resume it advances by the number of parameters per step (bias
       correction off, losses diverge from the uninterrupted run).
@@ -67,9 +69,9 @@ def resume_distributed_optimizer_on_torch_adam() -> None:
     def state_dict(self):
         if len(self.optimizer.state) > 0:
             return original_state_dict(self)
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                self.optimizer.state[p]["step"] = torch.tensor(0.0)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params or ["no parameter"]:  # torch's state_dict keeps a key that is no parameter as it is
+            self.optimizer.state[p]["step"] = torch.tensor(0.0)
         try:
             return original_state_dict(self)
         finally:
