@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import TESTS, child_env, free_port, ok, parity_run, run, torchrun
-from test_hf import VOCAB, make_hf_llama
+from test_hf_convert import VOCAB, make_hf_llama
 
 pytestmark = pytest.mark.xdist_group("peft")  # one worker runs the file: the shared runs are made once
 

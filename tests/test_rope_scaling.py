@@ -1,13 +1,13 @@
 """--rope-scaling-factor reaches the model: megatron-core 0.19.2's gpt_config_from_args builds the model config
 without it, so every run computed Llama 3's RoPE scaling with factor 8 (its default) whatever the flag said; a
-Llama 3.2 import (factor 32) trained with 8 and was exported as 32. test_hf's models all have factor 8, which
+Llama 3.2 import (factor 32) trained with 8 and was exported as 32. test_hf_convert's models all have factor 8, which
 cannot show it."""
 import json
 
 import torch
 
 from conftest import ok
-from test_hf import VOCAB, assert_same_logits, convert, hf_logits, make_hf_llama, megatron_logits
+from test_hf_convert import VOCAB, assert_same_logits, convert, hf_logits, make_hf_llama, megatron_logits
 
 SEQ = 256  # positions far enough for the scaled (low) frequencies to set factor 8's logits apart from factor 32's
 
