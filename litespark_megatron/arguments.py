@@ -17,9 +17,7 @@ before any work.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import io
 import os
 import sys
 import traceback
@@ -829,19 +827,6 @@ def model_vocab_size(args) -> int:
     return _megatron_tokenizer(args)[1]
 
 
-def latest_checkpoint_dir(load_dir: str) -> Optional[str]:
-    """The checkpoint directory (iter_N or release) the tracker of a --load/--save directory names, None if there
-    is none (megatron.training's own tracker and names)."""
-    from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
-                                                 get_checkpoint_tracker_filename, read_metadata)
-
-    if not checkpoint_exists(load_dir):
-        return None
-    with contextlib.redirect_stdout(io.StringIO()):  # read_metadata prints on every rank
-        iteration, release = read_metadata(get_checkpoint_tracker_filename(load_dir))
-    return get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-
-
 def _check_checkpoint(args, load_dir: Optional[str]) -> None:
     """What a run must know of the torch_dist checkpoint it loads, before any process group.
 
@@ -853,6 +838,8 @@ def _check_checkpoint(args, load_dir: Optional[str]) -> None:
       strictness then fails on the first one. Such a checkpoint is loaded with `--dist-ckpt-strictness
       log_unexpected` (the missing TE state starts fresh, as in a new model), unless the run chose a strictness.
     """
+    from .checkpoint_dir import latest_checkpoint_dir
+
     directory = latest_checkpoint_dir(load_dir) if load_dir else None
     if directory is None or not os.path.isfile(os.path.join(directory, "metadata.json")):
         return  # none there, or not a torch_dist checkpoint: megatron.training's loader speaks for it
@@ -879,6 +866,8 @@ def _check_checkpoint(args, load_dir: Optional[str]) -> None:
 def _loaded_checkpoint_dir(args, load_dir: Optional[str]) -> Optional[str]:
     """The checkpoint directory megatron.training will load from `load_dir` (the tracker's, or --ckpt-step's), None
     if there is none there."""
+    from .checkpoint_dir import latest_checkpoint_dir
+
     directory = latest_checkpoint_dir(load_dir) if load_dir else None
     if directory is not None and args.ckpt_step:
         from megatron.training.checkpointing import get_checkpoint_name

@@ -397,3 +397,19 @@ def finish() -> None:
         _prune(_args, background=False)
     if _pruner is not None:
         _pruner.join()
+
+
+def latest_checkpoint_dir(load_dir: str) -> Optional[str]:
+    """The checkpoint directory (iter_N or release) the tracker of a --load/--save directory names, None if there
+    is none (megatron.training's own tracker and names)."""
+    import contextlib
+    import io
+
+    from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
+                                                 get_checkpoint_tracker_filename, read_metadata)
+
+    if not checkpoint_exists(load_dir):
+        return None
+    with contextlib.redirect_stdout(io.StringIO()):  # read_metadata prints on every rank
+        iteration, release = read_metadata(get_checkpoint_tracker_filename(load_dir))
+    return get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
-import re
-import zlib
 from typing import Optional
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .layout_invariant import global_name, is_expert, parameter_generator, shard
 
 
 def model_config_from_args(args):
@@ -108,51 +108,6 @@ _NORM_SUFFIXES = ("layernorm.weight", "layer_norm_weight", "final_layernorm.weig
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 
 
-_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
-_SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$")
-
-
-def global_name(model: GPTModel, name: str) -> str:
-    """The parameter's name in the whole model, the same in every layout and backend:
-    decoder.layers.<local index>.… -> decoder.layers.<global index>.… (pipeline stages), and experts by their
-    global index (expert_global_name)."""
-    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
-    if name.startswith("decoder.layers."):
-        parts = name.split(".")
-        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
-        name = ".".join(parts)
-    if model.config.num_moe_experts and ".mlp.experts." in name:
-        ep_size = parallel_state.get_expert_model_parallel_world_size()
-        name = expert_global_name(name, parallel_state.get_expert_model_parallel_rank(),
-                                  model.config.num_moe_experts // ep_size)
-    return name
-
-
-def expert_global_name(name: str, ep_rank: int, num_local_experts: int) -> str:
-    """An expert parameter as mlp.experts.local_experts.<global expert>.…: expert-parallel rank r holds experts
-    r * local + i, and TEGroupedMLP's `linear_fc1.weight<i>` is local expert i's `linear_fc1.weight`. Other names
-    are returned unchanged."""
-    grouped = _GROUPED_EXPERT.match(name)
-    if grouped:
-        prefix, linear, kind, local = grouped.groups()
-        name = f"{prefix}.local_experts.{local}.{linear}.{kind}"
-    sequential = _SEQUENTIAL_EXPERT.match(name)
-    if sequential:
-        prefix, local, rest = sequential.groups()
-        name = f"{prefix}.local_experts.{ep_rank * num_local_experts + int(local)}.{rest}"
-    return name
-
-
-def is_expert(gname: str) -> bool:
-    return ".mlp.experts.local_experts." in gname
-
-
-def parameter_generator(seed: int, gname: str, device) -> torch.Generator:
-    """The generator a parameter is drawn from: the run's seed and the parameter's global name."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
-
-
 def _tp_layout(name: str, param: torch.Tensor, config: TransformerConfig):
     """(partition dim, stride) of a tensor-parallel parameter, or None if it is replicated across TP."""
     if not getattr(param, "tensor_model_parallel", False):
@@ -162,11 +117,6 @@ def _tp_layout(name: str, param: torch.Tensor, config: TransformerConfig):
     stride = 2 if name.endswith("linear_fc1.weight") and config.gated_linear_unit else \
         getattr(param, "partition_stride", 1)
     return dim, stride
-
-
-def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
-    pieces = torch.chunk(full, size * stride, dim=dim)
-    return torch.cat(pieces[rank::size], dim=dim)
 
 
 @torch.no_grad()
@@ -199,5 +149,5 @@ def init_layout_invariant(model: GPTModel, config: TransformerConfig, seed: int)
             std /= math.sqrt(2.0 * config.num_layers)  # GPT-2 / Megatron scaled init of residual projections
         full = torch.empty(full_shape, dtype=torch.float32, device=param.device).normal_(
             0.0, std, generator=parameter_generator(seed, gname, param.device))
-        shard = _shard(full, layout[0], layout[1], tp_rank, tp_size) if layout else full
-        param.copy_(shard.to(param.dtype))
+        piece = shard(full, layout[0], layout[1], tp_rank, tp_size) if layout else full
+        param.copy_(piece.to(param.dtype))

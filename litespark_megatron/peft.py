@@ -92,7 +92,7 @@ def check(args) -> None:
     if args.peft_base is None:
         raise ConfigError(f"--peft {method} fine-tunes a base model: give --peft-base CKPT (a litespark-convert "
                           "import, or a pretraining run's --save directory)")
-    from .arguments import latest_checkpoint_dir
+    from .checkpoint_dir import latest_checkpoint_dir
 
     if latest_checkpoint_dir(args.peft_base) is None:
         raise ConfigError(f"--peft-base {args.peft_base}: no checkpoint there (no latest_checkpointed_iteration.txt)")
@@ -235,7 +235,7 @@ def load_base(chunks, directory: str, strictness: str) -> None:
     run's layout."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from .arguments import latest_checkpoint_dir
+    from .checkpoint_dir import latest_checkpoint_dir
 
     checkpoint = latest_checkpoint_dir(directory)
     metadata = dict(dist_checkpointing.load_content_metadata(checkpoint) or {})
@@ -279,7 +279,7 @@ def init_adapters(chunk, seed: int) -> None:
     from megatron.core import parallel_state
 
     from .layers.adapters import AdaptedLinear, deinterleave
-    from .model import _shard, global_name, parameter_generator
+    from .layout_invariant import global_name, parameter_generator, shard
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -294,7 +294,7 @@ def init_adapters(chunk, seed: int) -> None:
             bound = 1.0 / shape[1] ** 0.5
             full = torch.empty(shape, dtype=torch.float32, device=a.device).uniform_(
                 -bound, bound, generator=parameter_generator(seed, gname, a.device))
-            a.copy_(_shard(full, 1, 1, tp_rank, tp_size) if split else full)
+            a.copy_(shard(full, 1, 1, tp_rank, tp_size) if split else full)
         for b in module.adapter.lora_B.values():
             b.zero_()
         if module.adapter.magnitude is not None:

@@ -192,7 +192,7 @@ def test_spec_module_trees():
 
 def test_expert_names_are_global():
     """Layout-invariant init draws each expert from its global name, whichever EP rank and expert module hold it."""
-    from litespark_megatron.model import expert_global_name
+    from litespark_megatron.layout_invariant import expert_global_name
 
     assert expert_global_name("decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 1, 2) == \
         "decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight"

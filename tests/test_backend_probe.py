@@ -120,9 +120,9 @@ def test_wgrad_accumulation_is_not_applicable_without_a_trainable_linear():
     path that is off (which a run asking for it would report as degraded)."""
     linear = torch.nn.Linear(2, 2)
     linear.gradient_accumulation_fusion = True
-    assert health.fusion_states([linear], SimpleNamespace(), "cuda")["wgrad_accumulation"] == "on"
+    assert backend_probe.fusion_states([linear], SimpleNamespace(), "cuda")["wgrad_accumulation"] == "on"
     linear.requires_grad_(False)
-    assert health.fusion_states([linear], SimpleNamespace(), "cuda")["wgrad_accumulation"] == "n/a"
+    assert backend_probe.fusion_states([linear], SimpleNamespace(), "cuda")["wgrad_accumulation"] == "n/a"
 
 
 def test_requested_fusions_follow_megatron_flag_names():
