@@ -6,7 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/env.sh"
 cd "$ROOT"
 # Two or more worker processes (pytest-xdist, up to 4): most of a test's time is processes starting (imports), which
-# another core overlaps (on 2 cores: 29 minutes in 2 workers). LITESPARK_TEST_WORKERS=0: one process.
+# another core overlaps. LITESPARK_TEST_WORKERS=0: one process. Training runs are forked from a process per worker
+# that imported torch and megatron-core once (tests/zygote.py; LITESPARK_TEST_FORK=0: real processes only).
 # --dist loadgroup: tests handed out one at a time in the suite's own order, the longest first (tests/conftest.py).
 WORKERS="${LITESPARK_TEST_WORKERS:-$(python -c 'import os; print(max(2, min(len(os.sched_getaffinity(0)), 4)))')}"
 DIST=(--dist loadgroup --no-loadscope-reorder)
