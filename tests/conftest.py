@@ -160,7 +160,6 @@ class Zygote:
 
     def __init__(self):
         self.proc = None
-        self.env = None
         # Not in the GPU pass: a fork must not inherit CUDA state its parent's imports might have made.
         self.enabled = os.environ.get("LITESPARK_TEST_FORK", "1") != "0" and not GPU_PASS
 
