@@ -4,6 +4,7 @@ import importlib.util
 import itertools
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -83,6 +84,35 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpu") is None])
         items[:] = [i for i in items if i.get_closest_marker("gpu") is not None]
     items.sort(key=_place)  # stable: the rest keep their order
+
+
+def made_once(tmp_path_factory, name: str, build):
+    """`build(directory)`'s result, built once per test run whichever workers ask for it. A module fixture is set up
+    again on every worker that runs one of the module's tests, and again on one worker whenever another module's
+    test ran in between (the suite's longest-first order interleaves modules): the expensive ones (training runs,
+    conversions) share their result through this instead. The first asker builds it under a lock in a directory
+    all workers of the run share (the parent of xdist's per-worker temporary directories); the others wait and read
+    its pickle. The result is read, never changed, by the tests (they may run at the same time on other workers)."""
+    import filelock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's own directory, above popen-gw0, popen-gw1, ...
+    root = shared / "made-once"
+    root.mkdir(exist_ok=True)
+    done = root / f"{name}.pickle"
+    with filelock.FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            directory = root / name
+            if directory.exists():  # an earlier asker's build failed there: start again
+                import shutil
+                shutil.rmtree(directory)
+            directory.mkdir()
+            result = build(directory)
+            part = root / f"{name}.pickle.part"
+            part.write_bytes(pickle.dumps(result))
+            part.rename(done)
+    return pickle.loads(done.read_bytes())
 
 
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral

@@ -2,12 +2,13 @@
 MLASelfAttention with the Litespark core attention), NSA (the Litespark native sparse attention), NoPE. The same losses in every layout as on one process
 (layout-invariant init of experts, router and MLA projections; tolerances as test_parallel_parity.py), and one
 clear error for each combination that cannot run."""
+import hashlib
 import json
 
 import pytest
 import torch
 
-from conftest import TESTS, ok, parity_run, records, train
+from conftest import TESTS, made_once, ok, parity_run, records, train
 
 BASE = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "3", "--eval-iters", "0", "--eval-interval",
@@ -48,7 +49,8 @@ def references(tmp_path_factory):
     def get(arch):
         key = tuple(arch)
         if key not in cache:
-            cache[key] = parity_run(tmp_path_factory.mktemp("ref"), 1, BASE + list(arch))
+            name = "architecture-" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+            cache[key] = made_once(tmp_path_factory, name, lambda run_dir: parity_run(run_dir, 1, BASE + list(arch)))
         return cache[key]
     return get
 

@@ -474,13 +474,14 @@ def test_fp8_parameters_with_the_precision_aware_optimizer_are_refused_under_del
 
 
 def _save_tiny(tmp_path_factory, *flags):
-    from conftest import ok, train
+    from conftest import made_once, ok, train
 
-    save = tmp_path_factory.mktemp("tiny") / "ckpt"
-    ok(train(1, *TINY[:-4], "--vocab-size", "256", "--seq-length", "32", "--global-batch-size", "8",
-             "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "4", "--eval-interval", "100",
-             "--eval-iters", "0", "--save", save, "--save-interval", "100", *flags))
-    return save
+    def build(directory):
+        ok(train(1, *TINY[:-4], "--vocab-size", "256", "--seq-length", "32", "--global-batch-size", "8",
+                 "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "4", "--eval-interval", "100",
+                 "--eval-iters", "0", "--save", directory / "ckpt", "--save-interval", "100", *flags))
+        return directory / "ckpt"
+    return made_once(tmp_path_factory, "tiny-checkpoint" + "".join(flags), build)
 
 
 @pytest.fixture(scope="module")

@@ -257,7 +257,7 @@ def test_hf_config_has_the_preset_shape():
 @pytest.mark.parametrize("argv, message", [
     (["--systems", "hf-eager,nope"], "unknown system 'nope' in --systems; choose from: hf-eager, hf-compile"),
     (["--systems", "hf-eager,hf-eager"], "system 'hf-eager' is listed twice"),
-    (["--systems", " , "], "--systems is empty"),
+    (["--systems", " , "], "--systems is empty and no --variant given; name at least one of: hf-eager"),
     (["--micro-batch-size", "4", "--global-batch-size", "6"], "--global-batch-size 6 is not a multiple of"),
     (["--best-micro-batch", "--micro-batch-size", "2"], "--micro-batch-size and --best-micro-batch are exclusive"),
     (["--model", "llama-7b"], "unknown --model 'llama-7b'; choose one of: tiny, llama-1b"),
@@ -299,6 +299,9 @@ def test_parser_defaults_match_the_documented_run():
     assert list(benchmark.parse_systems(opts.systems)) == ["hf-eager", "hf-liger", "litespark-bf16",
                                                            "litespark-fp8", "stock-te-bf16", "stock-te-fp8"]
     assert benchmark.micro_batch_plan(opts) == (2, [2])
+    # Variants alone: the systems they vary need not run as rows of their own.
+    assert list(benchmark.parse_systems("", ["a=stock-te-fp8:--cross-entropy-loss-fusion",
+                                             "b=litespark-fp8:--litespark-cross-entropy"])) == ["a", "b"]
     assert benchmark.micro_batch_plan(SimpleNamespace(best_micro_batch=True, micro_batch_size=None,
                                                       global_batch_size=12)) == (12, [1, 2, 4])
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import TESTS, child_env, free_port, losses, ok, records, run, train
+from conftest import TESTS, child_env, free_port, losses, made_once, ok, records, run, train
 
 # The tiny Llama as Megatron-LM flags, and what a CPU needs (litespark-train adds those two groups itself).
 LLAMA = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
@@ -40,10 +40,11 @@ def stock(*flags):
 @pytest.fixture(scope="module")
 def litespark_run(tmp_path_factory):
     """litespark-train's 4 steps of the tiny Llama, saved at 2 and 4: its checkpoint directory and losses."""
-    root = tmp_path_factory.mktemp("litespark")
-    lit, lit_metrics = root / "lit", root / "lit.jsonl"
-    ok(train(1, *LLAMA, *RUN, "--save", lit, "--save-interval", "2", "--metrics-file", lit_metrics))
-    return lit, losses(lit_metrics)
+    def build(root):
+        lit, lit_metrics = root / "lit", root / "lit.jsonl"
+        ok(train(1, *LLAMA, *RUN, "--save", lit, "--save-interval", "2", "--metrics-file", lit_metrics))
+        return lit, losses(lit_metrics)
+    return made_once(tmp_path_factory, "litespark-run", build)
 
 
 def test_litespark_checkpoint_resumes_in_megatron_lm_and_back(litespark_run, tmp_path):

@@ -7,22 +7,24 @@ import json
 import pytest
 import torch
 
-from conftest import TESTS, child_env, ok, records, torchrun, train
+from conftest import TESTS, child_env, made_once, ok, records, torchrun, train
 from test_arguments import TINY, check
 from litespark_megatron.arguments import ConfigError
 from litespark_megatron.kernels import cross_entropy as ce
 
 
 @pytest.fixture(scope="module")
-def interpreted():
+def interpreted(tmp_path_factory):
     """The worker's largest differences and its single-rank findings (Triton's interpreter reads TRITON_INTERPRET
     when Triton is first imported: a fresh process)."""
-    proc = torchrun(3, TESTS / "cross_entropy_worker.py", env=child_env(TRITON_INTERPRET=1))
-    # Every rank's first error: the rank that failed first leaves the others waiting in a collective, and their
-    # errors (connection closed) fill the end of the output.
-    first = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]") or "Error" in line]
-    assert proc.returncode == 0, "\n".join(first[:60])[-6000:] + "\n...\n" + proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    def build(_):
+        proc = torchrun(3, TESTS / "cross_entropy_worker.py", env=child_env(TRITON_INTERPRET=1))
+        # Every rank's first error: the rank that failed first leaves the others waiting in a collective, and their
+        # errors (connection closed) fill the end of the output.
+        first = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]") or "Error" in line]
+        assert proc.returncode == 0, "\n".join(first[:60])[-6000:] + "\n...\n" + proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    return made_once(tmp_path_factory, "cross-entropy-interpreted", build)
 
 
 def test_reference_is_the_cross_entropy_of_the_whole_vocabulary(interpreted):

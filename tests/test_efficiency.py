@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env, run
+from conftest import ROOT, child_env, made_once, run
 
 SUITE = [sys.executable, str(ROOT / "tools" / "efficiency_suite.py")]
 OWN = ["--model", "tiny", "--variants", "gqa,mqa", "--mock-data", "--train-iters", "4", "--log-interval", "2",
@@ -23,10 +23,11 @@ def suite(out, *argv, timeout=300):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    out = tmp_path_factory.mktemp("suite") / "out"
-    proc = suite(out, *OWN, *SHARED)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc
+    def build(directory):
+        proc = suite(directory / "out", *OWN, *SHARED)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return directory / "out", proc
+    return made_once(tmp_path_factory, "efficiency-suite", build)
 
 
 def test_end_to_end_writes_table_json_csv_plots_and_tensorboard(finished):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TESTS, free_port, ok, records, run, torchrun, train
+from conftest import TESTS, free_port, made_once, ok, records, run, torchrun, train
 
 VOCAB = 301  # TP pads it (to 384 at TP1, 512 at TP2): the padded rows must not change logits or loss
 SEQ = 32
@@ -98,11 +98,12 @@ def assert_same_logits(ours, reference):
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory):
     """A HF model and its import, shared by the tests that only read them."""
-    tmp = tmp_path_factory.mktemp("untied")
-    hf = make_hf_llama(tmp / "hf", tied=False)
-    save_word_tokenizer(hf)
-    ok(convert("import", hf, tmp / "ckpt"))
-    return hf, tmp / "ckpt"
+    def build(tmp):
+        hf = make_hf_llama(tmp / "hf", tied=False)
+        save_word_tokenizer(hf)
+        ok(convert("import", hf, tmp / "ckpt"))
+        return hf, tmp / "ckpt"
+    return made_once(tmp_path_factory, "hf-untied", build)
 
 
 def test_import_loads_in_tp2pp2_with_transformers_logits(untied, tmp_path):

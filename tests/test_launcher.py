@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, free_port, run
+from conftest import ROOT, child_env, free_port, made_once, run
 
 LAUNCHER = ROOT / "scripts" / "pretrain.sh"
 SBATCH = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
@@ -50,15 +50,16 @@ def last_line(proc) -> str:
 @pytest.fixture(scope="module")
 def one_node_losses(tmp_path_factory):
     """The reference: one node, two processes (the same two ranks as the two one-process nodes)."""
-    run_dir = tmp_path_factory.mktemp("one_node")
-    proc = launch(*TINY, "--metrics-file", run_dir / "metrics.jsonl", GPUS_PER_NODE=2, RUN_DIR=run_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    command = (run_dir / "command.txt").read_text()
-    assert "--standalone" in command and "--nproc-per-node 2 " in command and "--max-restarts 0" in command
-    assert re.search(r"iteration +3/ +3 \|", (run_dir / "launch.log").read_text())  # the training's own output
-    losses = train_losses(run_dir / "metrics.jsonl")
-    assert sorted(losses) == [1, 2, 3]
-    return losses
+    def build(run_dir):
+        proc = launch(*TINY, "--metrics-file", run_dir / "metrics.jsonl", GPUS_PER_NODE=2, RUN_DIR=run_dir)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        command = (run_dir / "command.txt").read_text()
+        assert "--standalone" in command and "--nproc-per-node 2 " in command and "--max-restarts 0" in command
+        assert re.search(r"iteration +3/ +3 \|", (run_dir / "launch.log").read_text())  # the training's own output
+        losses = train_losses(run_dir / "metrics.jsonl")
+        assert sorted(losses) == [1, 2, 3]
+        return losses
+    return made_once(tmp_path_factory, "launcher-one-node", build)
 
 
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])

@@ -7,7 +7,7 @@ leave a margin, and a real difference (a wrong gradient reduction, a wrongly sli
 """
 import pytest
 
-from conftest import parity_run
+from conftest import made_once, parity_run
 
 # The vocabulary (256) is a multiple of Megatron-LM's padding, 128 x TP for TP <= 2: every layout has the same
 # output layer (Megatron-LM pads the vocabulary per TP size, so 128 would be 256 rows under TP2).
@@ -43,7 +43,7 @@ def assert_same(got, reference, what):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return parity_run(tmp_path_factory.mktemp("ref"), 1, BASE)
+    return made_once(tmp_path_factory, "parity-reference", lambda directory: parity_run(directory, 1, BASE))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -24,10 +24,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TESTS, child_env, free_port, ok, parity_run, run, torchrun
+from conftest import TESTS, child_env, free_port, made_once, ok, parity_run, run, torchrun
 from test_hf_convert import VOCAB, make_hf_llama
 
-pytestmark = pytest.mark.xdist_group("peft")  # one worker runs the file: the shared runs are made once
 
 SEQ = 32
 TRAIN = ["--mock-data", "--seq-length", SEQ, "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", "1e-2",
@@ -93,10 +92,11 @@ def checkpoint_tensors(directory):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("base")
-    hf = make_hf_llama(tmp / "hf", tied=False)
-    ok(convert("import", hf, tmp / "ckpt"))
-    return hf, tmp / "ckpt"
+    def build(tmp):
+        hf = make_hf_llama(tmp / "hf", tied=False)
+        ok(convert("import", hf, tmp / "ckpt"))
+        return hf, tmp / "ckpt"
+    return made_once(tmp_path_factory, "peft-base", build)
 
 
 @pytest.fixture(scope="module")
@@ -108,33 +108,35 @@ def tokens():
 def runs(base, tokens, tmp_path_factory):
     """The worker runs (their reports and HF peft adapters), the DoRA training run in one process (saved at steps 2
     and 3), and its conversions: HF peft adapter, merged export, plain export (refused)."""
-    tmp = tmp_path_factory.mktemp("runs")
-    (tmp / "tokens.json").write_text(json.dumps({"tokens": tokens.tolist()}))
-    reports, conversions = {}, []
-    for name, (nproc, flags) in WORKERS.items():
-        argv = [TESTS / "peft_worker.py", tmp / "tokens.json", tmp / f"{name}.pt", "--",
-                *model_flags(base), *flags, "--mock-data", "--lr", "5e-3", "--min-lr", "5e-4", "--train-iters", 3,
-                "--eval-iters", 0, "--eval-interval", 10, "--save", tmp / name, "--save-interval", 1]
-        # one process needs no launcher (the worker sets up a world of one itself)
-        ok(torchrun(nproc, *argv) if nproc > 1 else run([sys.executable, *argv],
-                                                        env=child_env(MASTER_PORT=free_port())))
-        reports[name] = torch.load(tmp / f"{name}.pt")
-        conversions.append(["export-adapter", tmp / name, tmp / f"{name}.adapter", "--base-model", base[0]])
-    training = parity_run(tmp, 1, model_flags(base) + DORA + TRAIN + ["--save", tmp / "trained", "--save-interval", 2])
-    # resumed from step 2, saving the adapters alone
-    resumed = parity_run(tmp, 1, model_flags(base) + DORA + TRAIN + ["--load", tmp / "trained", "--ckpt-step", 2,
-                                                                     "--save", tmp / "resumed", "--save-interval", 2,
-                                                                     "--save-adapters-only"])
-    conversions += [["export-adapter", tmp / "trained", tmp / "trained.adapter"],
-                    ["export", tmp / "trained", tmp / "trained.merged", "--merge-adapters"],
-                    ["export", tmp / "resumed", tmp / "resumed.merged", "--merge-adapters"],
-                    ["export", tmp / "trained", tmp / "trained.plain"]]
-    converted = convert_many(tmp, *conversions)
-    assert [code for code, _ in converted] == [0] * (len(WORKERS) + 3) + [2], converted
-    return SimpleNamespace(reports=reports, adapters={name: tmp / f"{name}.adapter" for name in WORKERS},
-                           training=training, ckpt=tmp / "trained", adapter=tmp / "trained.adapter",
-                           merged=tmp / "trained.merged", plain_export=converted[-1][1], resumed=resumed,
-                           resumed_ckpt=tmp / "resumed", resumed_merged=tmp / "resumed.merged")
+    def build(tmp):
+        (tmp / "tokens.json").write_text(json.dumps({"tokens": tokens.tolist()}))
+        reports, conversions = {}, []
+        for name, (nproc, flags) in WORKERS.items():
+            argv = [TESTS / "peft_worker.py", tmp / "tokens.json", tmp / f"{name}.pt", "--",
+                    *model_flags(base), *flags, "--mock-data", "--lr", "5e-3", "--min-lr", "5e-4",
+                    "--train-iters", 3, "--eval-iters", 0, "--eval-interval", 10, "--save", tmp / name,
+                    "--save-interval", 1]
+            # one process needs no launcher (the worker sets up a world of one itself)
+            ok(torchrun(nproc, *argv) if nproc > 1 else run([sys.executable, *argv],
+                                                            env=child_env(MASTER_PORT=free_port())))
+            reports[name] = torch.load(tmp / f"{name}.pt")
+            conversions.append(["export-adapter", tmp / name, tmp / f"{name}.adapter", "--base-model", base[0]])
+        dora = model_flags(base) + DORA + TRAIN
+        training = parity_run(tmp, 1, dora + ["--save", tmp / "trained", "--save-interval", 2])
+        # resumed from step 2, saving the adapters alone
+        resumed = parity_run(tmp, 1, dora + ["--load", tmp / "trained", "--ckpt-step", 2, "--save", tmp / "resumed",
+                                             "--save-interval", 2, "--save-adapters-only"])
+        conversions += [["export-adapter", tmp / "trained", tmp / "trained.adapter"],
+                        ["export", tmp / "trained", tmp / "trained.merged", "--merge-adapters"],
+                        ["export", tmp / "resumed", tmp / "resumed.merged", "--merge-adapters"],
+                        ["export", tmp / "trained", tmp / "trained.plain"]]
+        converted = convert_many(tmp, *conversions)
+        assert [code for code, _ in converted] == [0] * (len(WORKERS) + 3) + [2], converted
+        return SimpleNamespace(reports=reports, adapters={name: tmp / f"{name}.adapter" for name in WORKERS},
+                               training=training, ckpt=tmp / "trained", adapter=tmp / "trained.adapter",
+                               merged=tmp / "trained.merged", plain_export=converted[-1][1], resumed=resumed,
+                               resumed_ckpt=tmp / "resumed", resumed_merged=tmp / "resumed.merged")
+    return made_once(tmp_path_factory, "peft-runs", build)
 
 
 # --------------------------------------------------------------------------------------------- the oracle

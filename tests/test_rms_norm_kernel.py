@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import child_env, ok, records, run, train
+from conftest import child_env, made_once, ok, records, run, train
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
 from litespark_megatron.kernels import rms_norm as rn
@@ -42,10 +42,12 @@ print(json.dumps(worst))
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    proc = run([sys.executable, "-c", INTERPRETED], env=child_env(TRITON_INTERPRET=1))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def interpreted(tmp_path_factory):
+    def build(_):
+        proc = run([sys.executable, "-c", INTERPRETED], env=child_env(TRITON_INTERPRET=1))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    return made_once(tmp_path_factory, "rms-norm-interpreted", build)
 
 
 def test_triton_kernels_equal_the_reference(interpreted):

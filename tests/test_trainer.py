@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, free_port, losses, ok, records, run, torchrun, train
+from conftest import ROOT, child_env, free_port, losses, made_once, ok, records, run, torchrun, train
 
 MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6",
@@ -62,10 +62,12 @@ def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
 def saved_run(tmp_path_factory):
     """MOCK's run of 6 steps, saved at its end; its TensorBoard events (with the tags that need flags) are in
     tb/ beside the checkpoint directory."""
-    save = tmp_path_factory.mktemp("saved") / "run"
-    ok(train(1, *MOCK, "--save", save, "--tensorboard-dir", save.parent / "tb", "--log-throughput",
-             "--log-timers-to-tensorboard", "--peak-tflops", "1"))
-    return save
+    def build(directory):
+        save = directory / "run"
+        ok(train(1, *MOCK, "--save", save, "--tensorboard-dir", directory / "tb", "--log-throughput",
+                 "--log-timers-to-tensorboard", "--peak-tflops", "1"))
+        return save
+    return made_once(tmp_path_factory, "trainer-saved-run", build)
 
 
 def _refused_before_any_work(proc, save, line: str) -> None:

@@ -131,7 +131,8 @@ def build_parser():
     p = cli.OneLineParser(prog="benchmark", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help=f"comma list of: {', '.join(SYSTEMS)}")
+                   help=f"comma list of: {', '.join(SYSTEMS)}; empty (--systems '') with --variant: the variants "
+                        "only")
     p.add_argument("--model", default="llama-3b", help="litespark-train preset")
     p.add_argument("--seq-length", type=cli.positive_int, default=4096)
     p.add_argument("--micro-batch-size", type=cli.positive_int, default=None, help="default 2")
@@ -178,8 +179,8 @@ def parse_systems(text: str, variants: Sequence[str] = (), flags: Sequence[str] 
     """The systems of this run, in order: those named in --systems, then each --variant (its flags checked against
     litespark-train's parser on top of `flags`, the common ones)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise UserError("--systems is empty; name at least one of: " + ", ".join(SYSTEMS))
+    if not names and not variants:
+        raise UserError("--systems is empty and no --variant given; name at least one of: " + ", ".join(SYSTEMS))
     for n in names:
         if n not in SYSTEMS:
             raise UserError(f"unknown system '{n}' in --systems; choose from: {', '.join(SYSTEMS)}")

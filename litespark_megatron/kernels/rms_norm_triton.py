@@ -13,6 +13,12 @@ def block_size(columns: int) -> int:
     return triton.next_power_of_2(columns)
 
 
+def warps(block: int) -> int:
+    """Warps per program: a row of 2,048-8,191 columns over 8 warps keeps each thread at 8-32 values in registers
+    (4 warps, Triton's default, leaves 32-64 per thread and fewer rows in flight)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 @triton.jit
 def forward(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, columns: tl.constexpr, BLOCK: tl.constexpr):
     """y = (x * rsqrt(mean(x^2) + eps)) rounded to x's dtype, times the weight (the product rounded again, as torch
