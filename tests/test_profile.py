@@ -28,7 +28,26 @@ KERNELS = {
         OTHER,
     "triton_poi_fused_cat_mul_silu_silu_backward_split_0": OTHER,
     "void transformer_engine::dgated_act_kernel<16, true, float, transformer_engine::Empty>": OTHER,
+    # Litespark's own Triton kernels, by their function names
+    "rms_norm_backward": "norm",
+    "cross_entropy_gradient_in_place": "cross-entropy/softmax",
 }
+
+
+def test_every_litespark_kernel_is_filed_under_what_it_computes():
+    """A Triton kernel shows in a profile under its function's name: one named `forward` or `backward` was filed as
+    elementwise work (the RMSNorm kernels' 18.6 ms/step once hid there)."""
+    import ast
+
+    from conftest import ROOT
+
+    jitted = {}
+    for path in sorted((ROOT / "litespark_megatron" / "kernels").glob("*_triton.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                jitted[node.name] = kernel_category(node.name)
+    assert len(jitted) >= 4, jitted
+    assert OTHER not in jitted.values(), jitted
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

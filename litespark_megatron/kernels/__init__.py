@@ -1,4 +1,7 @@
 """Litespark's own kernels, each beside the plain-torch reference that defines it (the tests hold one to the other).
+
+A Triton kernel's function name is its name in a profile: each starts with what it computes (rms_norm_...,
+cross_entropy_...), which is also how the profile tool files it (apps/profile.py's categories).
 """
 import functools
 

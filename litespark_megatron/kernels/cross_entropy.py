@@ -110,7 +110,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
         rows = x.numel() // columns
         block = block or kernels.block_size(columns)
         row_max, row_sum, target_logit = (torch.empty(rows, device=x.device, dtype=torch.float32) for _ in range(3))
-        kernels.row_statistics[(rows,)](x, t, row_max, row_sum, target_logit, rank * columns, columns,
+        kernels.cross_entropy_row_statistics[(rows,)](x, t, row_max, row_sum, target_logit, rank * columns, columns,
                                          BLOCK=block)
         if size > 1:
             local_max = row_max.clone()
@@ -130,7 +130,8 @@ class _TritonCrossEntropy(torch.autograd.Function):
 
         x, t, lse = ctx.saved_tensors
         grad = grad_loss.reshape(-1).to(torch.float32).contiguous()
-        kernels.gradient_in_place[(t.numel(),)](x, t, lse, grad, ctx.vocab_start, x.size(-1), BLOCK=ctx.block)
+        kernels.cross_entropy_gradient_in_place[(t.numel(),)](x, t, lse, grad, ctx.vocab_start, x.size(-1),
+                                                              BLOCK=ctx.block)
         # Triton wrote through a pointer, which autograd does not see: say that the logits changed.
         torch.autograd.graph.increment_version(x)
         return x, None, None, None

@@ -16,8 +16,8 @@ def block_size(columns: int) -> int:
 
 
 @triton.jit
-def row_statistics(logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, vocab_start, columns: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def cross_entropy_row_statistics(logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, vocab_start,
+                                 columns: tl.constexpr, BLOCK: tl.constexpr):
     """Per row: the max of this shard's logits, the sum of exp(logit - max), and the target's logit (0 where the
     target is in another shard). One read of the row (online softmax: the sum is rescaled as the max grows)."""
     row = tl.program_id(0).to(tl.int64)  # row * columns exceeds int32 at realistic sizes
@@ -42,8 +42,8 @@ def row_statistics(logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, v
 
 
 @triton.jit
-def gradient_in_place(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, vocab_start, columns: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def cross_entropy_gradient_in_place(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, vocab_start,
+                                    columns: tl.constexpr, BLOCK: tl.constexpr):
     """Per row: (softmax - onehot(target)) * the loss's gradient, written over the row's logits in their dtype.
     The softmax is exp(logit - logsumexp) with the logsumexp of the whole vocabulary (all TP shards)."""
     row = tl.program_id(0).to(tl.int64)

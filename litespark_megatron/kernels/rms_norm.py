@@ -50,7 +50,8 @@ class _TritonRMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         w = weight.contiguous()
         block = kernels.block_size(columns)
-        kernels.forward[(rows,)](rows_in, w, y, rstd, eps, columns, BLOCK=block, num_warps=kernels.warps(block))
+        kernels.rms_norm_forward[(rows,)](rows_in, w, y, rstd, eps, columns, BLOCK=block,
+                                          num_warps=kernels.warps(block))
         ctx.save_for_backward(rows_in, w, rstd)
         ctx.block, ctx.rows_per_program, ctx.weight_dtype, ctx.shape = block, rows_per_program, weight.dtype, x.shape
         return y.view(x.shape)
@@ -66,8 +67,9 @@ class _TritonRMSNorm(torch.autograd.Function):
         dy = dy.reshape(rows, columns).contiguous()
         dx = torch.empty_like(x)
         partial = torch.empty(programs, columns, device=x.device, dtype=torch.float32)
-        kernels.backward[(programs,)](dy, x, w, rstd, dx, partial, rows, columns, ROWS_PER_PROGRAM=per_program,
-                                       BLOCK=ctx.block, num_warps=kernels.warps(ctx.block))
+        kernels.rms_norm_backward[(programs,)](dy, x, w, rstd, dx, partial, rows, columns,
+                                               ROWS_PER_PROGRAM=per_program, BLOCK=ctx.block,
+                                               num_warps=kernels.warps(ctx.block))
         return dx.view(ctx.shape), partial.sum(0).to(ctx.weight_dtype), None, None
 
 

@@ -20,7 +20,7 @@ def warps(block: int) -> int:
 
 
 @triton.jit
-def forward(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, columns: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_forward(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, columns: tl.constexpr, BLOCK: tl.constexpr):
     """y = (x * rsqrt(mean(x^2) + eps)) rounded to x's dtype, times the weight (the product rounded again, as torch
     multiplies two bf16 tensors); the row's rsqrt kept (fp32) for the backward."""
     row = tl.program_id(0).to(tl.int64)
@@ -35,7 +35,7 @@ def forward(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, columns: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, rows, columns: tl.constexpr,
+def rms_norm_backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, rows, columns: tl.constexpr,
               ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
     """For rows [first, first + ROWS_PER_PROGRAM): dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w and
     xhat = x * rstd (fp32), written in x's dtype; the program's sum of dy * xhat (xhat rounded as the forward
