@@ -92,6 +92,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "its plain-torch reference elsewhere), any hidden size at full bandwidth, instead of "
                         "Transformer Engine's norm inside its norm+GEMM module (te backend) or a compiled norm "
                         "(local backend); checkpoints keep their keys")
+    g.add_argument("--litespark-rope", action="store_true",
+                   help="the Litespark attention splits the QKV projection's output and applies RoPE with "
+                        "Litespark's kernels (kernels/qkv_rope.py; Triton on a GPU, its plain-torch reference "
+                        "elsewhere): one read and one write each way, instead of megatron-core's split, Transformer "
+                        "Engine's RoPE kernels, the value's copy and the gradients' concatenation")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -369,6 +374,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_litespark_cross_entropy(args, plat)
     if args.litespark_rmsnorm:
         _check_litespark_rmsnorm(args, plat)
+    if args.litespark_rope:
+        _check_litespark_rope(args, plat)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     from .peft import check as check_peft
@@ -735,6 +742,38 @@ def _check_litespark_rmsnorm(args, plat) -> None:
     if args.multi_latent_attention:
         raise ConfigError("--litespark-rmsnorm with --multi-latent-attention: MLA's latent norms stay inside "
                           "Transformer Engine's up projections; drop one")
+
+
+def _check_litespark_rope(args, plat) -> None:
+    """Where the flag has a layer to act on, the kernel covers the model's RoPE, and a GPU runs it."""
+    from .kernels.qkv_rope import triton_available
+
+    # (A TP that splits a query group over ranks, where megatron-core gathers the group's heads and the kernel would
+    # see the whole group, is refused for every run already.)
+    head = args.kv_channels or args.hidden_size // args.num_attention_heads
+    refusals = (
+        (args.litespark_spec != "litespark", "builds the Litespark attention's query, key and value; it needs "
+                                             "--spec litespark"),
+        (args.position_embedding_type != "rope", f"applies RoPE, and --position-embedding-type is "
+                                                 f"{args.position_embedding_type}; drop the flag"),
+        (args.multi_latent_attention, "with --multi-latent-attention: MLA splits and rotates its own latents; drop "
+                                      "one"),
+        (getattr(args, "attention_variant", "dense") != "dense", "with --attention-variant nsa: native sparse "
+                                                                 "attention builds its own query, key and value; "
+                                                                 "drop one"),
+        (args.qk_layernorm, "with --qk-layernorm: the norms sit between the split and RoPE; drop one"),
+        (args.rotary_interleaved, "with --rotary-interleaved: the kernel rotates halves (Llama's layout); drop one"),
+        (args.rotary_percent != 1.0, f"with --rotary-percent {args.rotary_percent:g}: the kernel rotates the whole "
+                                     f"head; drop one"),
+        (head & (head - 1) != 0, f"with a head size of {head}: the kernel takes a power of two; drop the flag"),
+        (args.context_parallel_size > 1, "with --context-parallel-size > 1: not tested together yet; drop one"),
+        (plat.device_type == "cuda" and not triton_available(), "on a GPU runs Triton kernels, and Triton does not "
+                                                                "import here: install torch's CUDA build with its "
+                                                                "triton, or drop the flag"),
+    )
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(f"--litespark-rope {reason}")
 
 
 def _check_fp8_parameters_optimizer(args) -> None:

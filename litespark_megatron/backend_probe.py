@@ -165,15 +165,18 @@ class BackendProbe:
         return list(self.seen)
 
     def report(self, models=None, config=None, requested: Optional[dict] = None, device_type: str = "cuda",
-               cross_entropy: Optional[str] = None, rms_norm: Optional[str] = None) -> "Health":
+               cross_entropy: Optional[str] = None, rms_norm: Optional[str] = None,
+               rope: Optional[str] = None) -> "Health":
         """`cross_entropy`: the loss a GPTModel output processor runs instead of the config's (Litespark's kernel,
         kernels/cross_entropy.cross_entropy_path); `rms_norm`: the norm kernel the layers run where it is Litespark's
-        (kernels/rms_norm.rms_norm_path)."""
+        (kernels/rms_norm.rms_norm_path); `rope`: the same for the QKV split + RoPE (kernels/qkv_rope.qkv_rope_path)."""
         fusions = fusion_states(models or self.models, config, device_type) if config is not None else {}
         if cross_entropy is not None:
             fusions["cross_entropy"] = cross_entropy
         if rms_norm is not None:
             fusions["rms_norm"] = rms_norm
+        if rope is not None:
+            fusions["rope"] = rope
         return assess(self.attention, fusions, requested or {}, device_type)
 
 

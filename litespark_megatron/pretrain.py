@@ -167,8 +167,13 @@ def _probed_forward(run, model):
         from .kernels.rms_norm import rms_norm_path
 
         rms_norm = rms_norm_path(device_type)
+    rope = None
+    if args.litespark_rope:
+        from .kernels.qkv_rope import qkv_rope_path
+
+        rope = qkv_rope_path(device_type)
     report = probe.report(config=get_model_config(model), requested=backend_probe.requested_fusions(args),
-                          device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm)
+                          device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm, rope=rope)
     telemetry.record_health(report)
     return output
 

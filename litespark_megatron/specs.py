@@ -55,7 +55,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                              num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                              q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
                              nsa=None, core_attention: str = "sdpa", norm: str = "default",
-                             adapters: bool = False) -> ModuleSpec:
+                             adapters: bool = False, rope: str = "default") -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     core_attention "sdpa" (both backends): torch's scaled_dot_product_attention (LitesparkCoreAttention); on Hopper
@@ -75,6 +75,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     column-parallel linear beside QKV, both reading the input norm's output (a module of its own then).
     norm "litespark" (--litespark-rmsnorm): every norm is a LitesparkRMSNorm running Litespark's kernel
     (kernels/rms_norm.py), on te a module of its own before plain TE linears, its keys mapped to the fused ones.
+    rope "litespark" (--litespark-rope): the Litespark attention splits the QKV output and applies RoPE with
+    Litespark's kernels (kernels/qkv_rope.py) instead of megatron-core's split and TE's RoPE.
     adapters (--peft lora|dora): the linears get LoRA/DoRA adapters after the model is built (peft.py), which read
     the linear's input; on te the norms before QKV and fc1 are then modules of their own (TENorm) before plain TE
     linears, their keys mapped to the fused ones, so the adapters see the normed input.
@@ -97,6 +99,11 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                           "apply to it")
     if norm not in ("default", "litespark"):
         raise ConfigError(f"unknown Litespark norm '{norm}'; choose 'default' or 'litespark'")
+    if rope not in ("default", "litespark"):
+        raise ConfigError(f"unknown Litespark RoPE '{rope}'; choose 'default' or 'litespark'")
+    if rope == "litespark" and (multi_latent_attention or nsa is not None):
+        raise ConfigError("Litespark's QKV split + RoPE builds the dense GQA attention's query, key and value; MLA "
+                          "and native sparse attention build their own")
     own_norm = norm == "litespark"  # (`norm` below is the norm module of the backend)
     if own_norm and multi_latent_attention:
         raise ConfigError("Litespark's RMSNorm with multi-latent attention: MLA's latent norms stay inside TE's up "
@@ -165,7 +172,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                                    q_layernorm=IdentityOp, k_layernorm=IdentityOp))
     else:
         input_norm = fused_norm
-        attention = ModuleSpec(module=LitesparkSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        attention = ModuleSpec(module=LitesparkSelfAttention,
+                               params={"attn_mask_type": AttnMaskType.causal, "rope_kernel": rope},
                                submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=attend,
                                                                   linear_proj=proj, q_layernorm=IdentityOp,
                                                                   k_layernorm=IdentityOp))
@@ -191,11 +199,13 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
 
 
 def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None, core_attention: str = "sdpa",
-                         norm: str = "default", adapters: bool = False) -> TransformerBlockSubmodules:
+                         norm: str = "default", adapters: bool = False,
+                         rope: str = "default") -> TransformerBlockSubmodules:
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
     --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention),
-    `core_attention` (--core-attention), `norm` (--litespark-rmsnorm) and `adapters` (--peft lora|dora).
+    `core_attention` (--core-attention), `norm` (--litespark-rmsnorm), `rope` (--litespark-rope) and `adapters`
+    (--peft lora|dora).
 
     Which layers are MoE (--moe-layer-freq, an int or a 0/1 list pattern) and which layers this stage holds
     (--pipeline-model-parallel-layout, or the even split with its uneven-first/last variants) follow megatron-core's
@@ -213,7 +223,7 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
                                         num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                         q_lora_rank=getattr(config, "q_lora_rank", None),
                                         qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
-                                        core_attention=core_attention, norm=norm, adapters=adapters)
+                                        core_attention=core_attention, norm=norm, adapters=adapters, rope=rope)
 
     dense = layer(None)
     moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock

@@ -28,6 +28,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from ..kernels.qkv_rope import qkv_rope
 from .elementwise import rope
 from .prefix_attention import prefix_causal_attention
 
@@ -92,9 +93,14 @@ class LitesparkSelfAttention(SelfAttention):
     """Causal self-attention with the training forward written out; see the module docstring."""
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.causal,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, **unused):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, rope_kernel: str = "default", **unused):
+        """rope_kernel "litespark" (--litespark-rope): the QKV output split and rotated by Litespark's kernels
+        (kernels/qkv_rope.py); "default": megatron-core's split and RoPE (TE's fused kernel where configured)."""
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if rope_kernel not in ("default", "litespark"):
+            raise ValueError(f"unknown RoPE kernel '{rope_kernel}'; choose 'default' or 'litespark'")
+        self.rope_kernel = rope_kernel
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, attention_bias=None, packed_seq_params=None, **kwargs):
@@ -103,6 +109,20 @@ class LitesparkSelfAttention(SelfAttention):
                                    inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params,
                                    **kwargs)
+        if self.rope_kernel == "litespark" and rotary_pos_emb is not None:
+            if packed_seq_params is not None:
+                raise ValueError("--litespark-rope with packed sequences: the kernel rotates one sequence per sample; "
+                                 "drop the flag for packed data")
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            mixed, _ = self.get_query_key_value_tensors(hidden_states, split_qkv=False)
+            heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            query, key, value = qkv_rope(mixed, q_freqs, k_freqs, heads_per_group)
+        else:
+            query, key, value = self._split_and_rotate(hidden_states, rotary_pos_emb, packed_seq_params)
+        return self._attend(query, key, value, attention_mask, attention_bias, packed_seq_params)
+
+    def _split_and_rotate(self, hidden_states, rotary_pos_emb, packed_seq_params):
+        """megatron-core's split of the QKV output, then RoPE (TE's fused kernel where configured)."""
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
@@ -114,7 +134,9 @@ class LitesparkSelfAttention(SelfAttention):
         # backward as views, they would keep all of it alive: with RoPE the pre-RoPE query and key, 2 (h + hk) d
         # bytes per token and layer (llama-3b: 3.5 GiB at micro-batch 4). A copy of the views frees it, as TE's
         # attention does by copying its inputs; RoPE's outputs are no views, for them this is a no-op.
-        query, key, value = (t.contiguous() for t in (query, key, value))
+        return tuple(t.contiguous() for t in (query, key, value))
+
+    def _attend(self, query, key, value, attention_mask, attention_bias, packed_seq_params):
         if self.checkpoint_core_attention and self.training:
             context = self._checkpointed_attention_forward(
                 query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,

@@ -1,0 +1,112 @@
+"""Litespark's QKV split + RoPE: the QKV projection's output in, the attention's query, key and value out, in one read
+and one write each way.
+
+megatron-core splits the projection's [s, b, groups, (heads_per_group + 2) * d] output into views of the query
+heads, key and value of each group, rotates the query and key with Transformer Engine's fused RoPE (a kernel each,
+forward and backward), copies the value (the attention wants it contiguous), and in the backward concatenates the
+three gradients back into the projection's layout (a copy of all of them). These kernels do the whole of it:
+
+    forward   a program per (token, group): the group's query heads and key rotated (angles in fp32, cos and sin
+              in fp32, the result rounded once to the input's dtype, as TE's fused RoPE computes), written to
+              contiguous [s, b, heads, d] query and [s, b, groups, d] key; the value copied to [s, b, groups, d].
+    backward  the same programs: the inverse rotation of the query's and key's gradients and the value's gradient,
+              written straight into the projection's layout.
+
+Nothing but the angles is saved for the backward (the rotation is linear).
+
+`qkv_rope_reference` defines the function in plain torch; tests/test_qkv_rope_kernel.py holds the Triton path to it.
+`qkv_rope` runs the Triton path on CUDA and the reference elsewhere; `qkv_rope_path` says which (the run's "what
+ran" record). Covered: Llama's RoPE (halves rotated, not interleaved) over the whole head (rotary percent 1), a
+power-of-two head size, the same angles for every head of a token, one sequence per sample (no packed sequences);
+arguments.py refuses --litespark-rope elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import triton_available
+
+
+def _rotate(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE of [s, b, n, d] by [s, 1, 1, d] angles, halves rotated; arithmetic in (at least) fp32, result in t's
+    dtype."""
+    compute = torch.promote_types(t.dtype, torch.float32)
+    x = t.to(compute)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    angles = freqs.to(compute)
+    return (x * torch.cos(angles) + torch.cat([-x2, x1], dim=-1) * torch.sin(angles)).to(t.dtype)
+
+
+def qkv_rope_reference(mixed: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                       heads_per_group: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[s, b, groups, (heads_per_group + 2) * d] -> query [s, b, groups * heads_per_group, d] rotated by q_freqs,
+    key [s, b, groups, d] rotated by k_freqs, value [s, b, groups, d]; angles [s, 1, 1, d]."""
+    s, b, groups, width = mixed.shape
+    d = width // (heads_per_group + 2)
+    query, key, value = torch.split(mixed, [heads_per_group * d, d, d], dim=3)
+    query = query.reshape(s, b, groups * heads_per_group, d)
+    return _rotate(query, q_freqs), _rotate(key, k_freqs), value.contiguous()
+
+
+def _cos_sin(q_freqs, k_freqs, s: int, d: int):
+    """cos and sin of the query's and key's angles as [s, d] fp32 (torch's, as the reference's); computed once
+    where both are the same tensor (Llama), recomputed in the backward rather than kept."""
+    q = q_freqs.reshape(s, d).float()
+    q_cos, q_sin = torch.cos(q).contiguous(), torch.sin(q).contiguous()
+    if k_freqs is q_freqs:
+        return q_cos, q_sin, q_cos, q_sin
+    k = k_freqs.reshape(s, d).float()
+    return q_cos, q_sin, torch.cos(k).contiguous(), torch.sin(k).contiguous()
+
+
+class _TritonQKVRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mixed, q_freqs, k_freqs, heads_per_group):
+        from . import qkv_rope_triton as kernels
+
+        s, b, groups, width = mixed.shape
+        d = width // (heads_per_group + 2)
+        mixed = mixed.contiguous()
+        query = mixed.new_empty(s, b, groups * heads_per_group, d)
+        key, value = mixed.new_empty(s, b, groups, d), mixed.new_empty(s, b, groups, d)
+        kernels.qkv_rope_forward[(s * b, groups)](
+            mixed, *_cos_sin(q_freqs, k_freqs, s, d), query, key, value, b, groups, heads_per_group, d,
+            HEADS=kernels.heads_block(heads_per_group), num_warps=kernels.warps(heads_per_group, d))
+        ctx.same_angles = k_freqs is q_freqs
+        ctx.save_for_backward(q_freqs, k_freqs)  # the rotary embedding's own tensor: no memory of this layer's
+        ctx.heads_per_group, ctx.shape = heads_per_group, mixed.shape
+        return query, key, value
+
+    @staticmethod
+    def backward(ctx, d_query, d_key, d_value):
+        from . import qkv_rope_triton as kernels
+
+        q_freqs, k_freqs = ctx.saved_tensors
+        s, b, groups, width = ctx.shape
+        p = ctx.heads_per_group
+        d = width // (p + 2)
+        d_mixed = d_query.new_empty(ctx.shape)
+        cos_sin = _cos_sin(q_freqs, q_freqs if ctx.same_angles else k_freqs, s, d)
+        kernels.qkv_rope_backward[(s * b, groups)](
+            d_query.contiguous(), d_key.contiguous(), d_value.contiguous(), *cos_sin, d_mixed, b, groups, p, d,
+            HEADS=kernels.heads_block(p), num_warps=kernels.warps(p, d))
+        return d_mixed, None, None, None
+
+
+def qkv_rope_triton(mixed, q_freqs, k_freqs, heads_per_group: int):
+    """The reference's function through the Triton kernels."""
+    return _TritonQKVRoPE.apply(mixed, q_freqs, k_freqs, heads_per_group)
+
+
+def qkv_rope_path(device_type: str) -> str:
+    """What `qkv_rope` runs on a device of this type: "litespark" (the Triton kernels, CUDA) or
+    "litespark (reference)" (plain torch)."""
+    return "litespark" if device_type == "cuda" and triton_available() else "litespark (reference)"
+
+
+def qkv_rope(mixed, q_freqs, k_freqs, heads_per_group: int):
+    if qkv_rope_path(mixed.device.type) == "litespark":
+        return qkv_rope_triton(mixed, q_freqs, k_freqs, heads_per_group)
+    return qkv_rope_reference(mixed, q_freqs, k_freqs, heads_per_group)

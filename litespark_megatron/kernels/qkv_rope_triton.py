@@ -1,0 +1,97 @@
+"""The Triton kernels of Litespark's QKV split + RoPE (qkv_rope.py): a program per (token, query group), the group's
+query heads, key and value in one block each. cos and sin of the angles come in as [s, d] fp32 tensors (torch's,
+as the reference's). Imported only where Triton runs (a CUDA device, or Triton's interpreter in the tests)."""
+import triton
+import triton.language as tl
+
+
+def heads_block(heads_per_group: int) -> int:
+    return triton.next_power_of_2(heads_per_group)
+
+
+def warps(heads_per_group: int, head_size: int) -> int:
+    """A group's (heads_per_group + 2) * head_size values (640 for Llama-3.2-3B's 3 query heads of 128) fit 4 warps
+    at a few per thread; larger groups take 8."""
+    return 4 if (heads_per_group + 2) * head_size <= 1024 else 8
+
+
+@triton.jit
+def qkv_rope_forward(mixed_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, q_ptr, k_ptr, v_ptr, batch, groups,
+                     heads_per_group: tl.constexpr, d: tl.constexpr, HEADS: tl.constexpr):
+    """mixed [tokens, groups, (heads_per_group + 2) * d] -> query [tokens, groups * heads_per_group, d] and key
+    [tokens, groups, d] rotated (first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin, in fp32), value
+    [tokens, groups, d] copied. Token t is position t // batch of the [s, b] layout."""
+    half: tl.constexpr = d // 2
+    token = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1).to(tl.int64)
+    angle = (token // batch) * d
+    cols = tl.arange(0, half)
+    heads = tl.arange(0, HEADS)
+    in_group = (heads < heads_per_group)[:, None]
+    src = mixed_ptr + (token * groups + group) * (heads_per_group + 2) * d
+
+    offsets = heads[:, None] * d + cols[None, :]
+    c1 = tl.load(q_cos_ptr + angle + cols)[None, :]
+    c2 = tl.load(q_cos_ptr + angle + half + cols)[None, :]
+    s1 = tl.load(q_sin_ptr + angle + cols)[None, :]
+    s2 = tl.load(q_sin_ptr + angle + half + cols)[None, :]
+    x1 = tl.load(src + offsets, mask=in_group, other=0.0).to(tl.float32)
+    x2 = tl.load(src + offsets + half, mask=in_group, other=0.0).to(tl.float32)
+    dst = q_ptr + (token * groups + group) * heads_per_group * d
+    tl.store(dst + offsets, (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty), mask=in_group)
+    tl.store(dst + offsets + half, (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty), mask=in_group)
+
+    key = src + heads_per_group * d
+    c1 = tl.load(k_cos_ptr + angle + cols)
+    c2 = tl.load(k_cos_ptr + angle + half + cols)
+    s1 = tl.load(k_sin_ptr + angle + cols)
+    s2 = tl.load(k_sin_ptr + angle + half + cols)
+    x1 = tl.load(key + cols).to(tl.float32)
+    x2 = tl.load(key + half + cols).to(tl.float32)
+    dst = k_ptr + (token * groups + group) * d
+    tl.store(dst + cols, (x1 * c1 - x2 * s1).to(k_ptr.dtype.element_ty))
+    tl.store(dst + half + cols, (x2 * c2 + x1 * s2).to(k_ptr.dtype.element_ty))
+
+    whole = tl.arange(0, d)
+    tl.store(v_ptr + (token * groups + group) * d + whole, tl.load(key + d + whole))
+
+
+@triton.jit
+def qkv_rope_backward(dq_ptr, dk_ptr, dv_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, d_mixed_ptr, batch, groups,
+                      heads_per_group: tl.constexpr, d: tl.constexpr, HEADS: tl.constexpr):
+    """The forward's transpose: the rotation's inverse (first half dy1 * cos + dy2 * sin, second half dy2 * cos -
+    dy1 * sin, with each half's own cos and sin) of the query's and key's gradients and the value's gradient, written
+    into the projection's [tokens, groups, (heads_per_group + 2) * d] layout."""
+    half: tl.constexpr = d // 2
+    token = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1).to(tl.int64)
+    angle = (token // batch) * d
+    cols = tl.arange(0, half)
+    heads = tl.arange(0, HEADS)
+    in_group = (heads < heads_per_group)[:, None]
+    dst = d_mixed_ptr + (token * groups + group) * (heads_per_group + 2) * d
+
+    offsets = heads[:, None] * d + cols[None, :]
+    c1 = tl.load(q_cos_ptr + angle + cols)[None, :]
+    c2 = tl.load(q_cos_ptr + angle + half + cols)[None, :]
+    s1 = tl.load(q_sin_ptr + angle + cols)[None, :]
+    s2 = tl.load(q_sin_ptr + angle + half + cols)[None, :]
+    src = dq_ptr + (token * groups + group) * heads_per_group * d
+    g1 = tl.load(src + offsets, mask=in_group, other=0.0).to(tl.float32)
+    g2 = tl.load(src + offsets + half, mask=in_group, other=0.0).to(tl.float32)
+    tl.store(dst + offsets, (g1 * c1 + g2 * s2).to(d_mixed_ptr.dtype.element_ty), mask=in_group)
+    tl.store(dst + offsets + half, (g2 * c2 - g1 * s1).to(d_mixed_ptr.dtype.element_ty), mask=in_group)
+
+    key = dst + heads_per_group * d
+    c1 = tl.load(k_cos_ptr + angle + cols)
+    c2 = tl.load(k_cos_ptr + angle + half + cols)
+    s1 = tl.load(k_sin_ptr + angle + cols)
+    s2 = tl.load(k_sin_ptr + angle + half + cols)
+    src = dk_ptr + (token * groups + group) * d
+    g1 = tl.load(src + cols).to(tl.float32)
+    g2 = tl.load(src + half + cols).to(tl.float32)
+    tl.store(key + cols, (g1 * c1 + g2 * s2).to(d_mixed_ptr.dtype.element_ty))
+    tl.store(key + half + cols, (g2 * c2 - g1 * s1).to(d_mixed_ptr.dtype.element_ty))
+
+    whole = tl.arange(0, d)
+    tl.store(key + d + whole, tl.load(dv_ptr + (token * groups + group) * d + whole))
