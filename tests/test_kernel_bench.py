@@ -1,12 +1,17 @@
 """tools/kernel_bench.py: its refusals on this CPU machine, and its table (the GPU runs it: docs/benchmarks)."""
 import pytest
+import torch
 
 from litespark_megatron.apps import kernel_bench
 
 
 @pytest.mark.parametrize("argv, message", [
     ([], "kernel_bench.py: error: give --hidden N or --model NAME (see --help)"),
+    (["--kernel", "qkv-rope", "--hidden", "3072"], "kernel_bench.py: error: --kernel qkv-rope takes its heads, query "
+                                                   "groups and head size from --model NAME (see --help)"),
     (["--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it compares run on a GPU"),
+    (["--kernel", "qkv-rope", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it "
+                                                      "compares run on a GPU"),
 ])
 def test_refusals_are_one_line_and_exit_2(argv, message, capsys):
     assert kernel_bench.main(argv) == 2
@@ -22,12 +27,33 @@ def test_bad_flags_are_one_line(capsys):
 
 
 def test_table_shows_kernel_time_wall_time_and_error_and_says_why_a_row_did_not_run():
-    base = dict(kernel="rms-norm", hidden=3072, tokens=16384, dtype="bfloat16")
+    base = dict(kernel="rms-norm", shape="16384 x 3072", dtype="bfloat16")
     rows = [dict(base, candidate="litespark", forward_ms=0.053, forward_kernel_ms=0.049, forward_gb_s=4108.0,
                  forward_backward_ms=0.494, forward_backward_kernel_ms=0.163, forward_backward_gb_s=3088.5,
-                 error_y=5.0e-3, error_dx=2.0e-3, error_dw=3.5e-3),
+                 error_outputs=5.0e-3, error_gradients=3.5e-3),
             dict(base, candidate="te", unavailable="Transformer Engine does not import (ImportError)")]
     assert kernel_bench.render(rows).splitlines()[2:] == [
-        "| rms-norm | litespark | 3072 | 16384 | bfloat16 | 0.049 / 4,108 / 0.053 | 0.163 / 3,088 / 0.494 | "
-        "5.0e-03 / 2.0e-03 / 3.5e-03 |",
-        "| rms-norm | te | 3072 | 16384 | bfloat16 | not run: Transformer Engine does not import (ImportError) | | |"]
+        "| rms-norm | litespark | 16384 x 3072 | bfloat16 | 0.049 / 4,108 / 0.053 | 0.163 / 3,088 / 0.494 | "
+        "5.0e-03 / 3.5e-03 |",
+        "| rms-norm | te | 16384 x 3072 | bfloat16 | not run: Transformer Engine does not import (ImportError) | | |"]
+
+
+def test_the_harness_measures_a_candidate_against_the_reference_and_names_what_could_not_run(monkeypatch):
+    """_measure on the CPU, its GPU timers replaced: the outputs' and gradients' errors against the fp64 reference
+    (a candidate off by 1% shows 1e-2), bandwidth from the kernels' time, and a builder's reason for not running."""
+    monkeypatch.setattr(kernel_bench, "_median_ms", lambda fn: (fn(), 2.0)[1])
+    monkeypatch.setattr(kernel_bench, "_kernel_ms", lambda fn: (fn(), 1.0)[1])
+    x = torch.randn(8, 4)
+
+    def off_by_a_percent(x):
+        return (lambda: (x * 2 * 1.01,)), (x,)
+    row = kernel_bench._measure({}, off_by_a_percent, (), (x,), (torch.ones(8, 4),), lambda x64: x64 * 2, (4e6, 6e6))
+    assert row["error_outputs"] == pytest.approx(1e-2, rel=1e-3)
+    assert row["error_gradients"] == pytest.approx(1e-2, rel=1e-3)
+    assert (row["forward_ms"], row["forward_kernel_ms"], row["forward_gb_s"], row["forward_backward_gb_s"]) == \
+        (2.0, 1.0, 4.0, 10.0)
+
+    def unavailable():
+        raise kernel_bench.Unavailable("no such kernel here")
+    assert kernel_bench._measure({"candidate": "c"}, lambda x: unavailable(), (), (x,), (x,), None, (1, 1)) == \
+        {"candidate": "c", "unavailable": "no such kernel here"}

@@ -1,15 +1,15 @@
 """One kernel against the stock ones it replaces, at a model's shapes: time, bandwidth and error, side by side.
 
     python tools/kernel_bench.py --kernel rms-norm --hidden 3072 --tokens 16384
-    python tools/kernel_bench.py --kernel rms-norm --model llama-3b --json
+    python tools/kernel_bench.py --kernel qkv-rope --model llama-3b --micro-batch-size 4 --json
 
 Each candidate runs the same inputs forward, and forward+backward, two ways: under triton.testing.do_bench (the L2
 flushed between repeats, the median of its repeats: the time a caller waits, the host's launch work included, which
 a short kernel's backward through autograd can exceed), and under torch.profiler (the GPU time of its kernels alone:
 what a training step pays, where the host runs ahead of the GPU). The row gives both, the bytes each pass must move
 over the kernels' time (GB/s: a memory-bound kernel's grade), and its largest difference from the reference computed
-in fp64 (relative to the reference's largest value), so a fast row that is wrong shows it. A candidate that cannot run here (no
-Transformer Engine, no Triton, no GPU) is a row saying why, never a number.
+in fp64 (relative to the reference's largest value), outputs and gradients, so a fast row that is wrong shows it. A
+candidate that cannot run here (no Transformer Engine, no Triton) is a row saying why, never a number.
 """
 from __future__ import annotations
 
@@ -25,41 +25,126 @@ from litespark_megatron.presets import PRESETS
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-# RMSNorm: (name, builder). A builder takes (eps, weight) and returns (fn(x) -> y, the weight tensor whose gradient
-# it computes), or raises Unavailable with the reason.
+# A builder takes the run's leaves (tensors that get gradients, already on the GPU) and returns fn() -> the
+# candidate's outputs (a tuple) and the leaves whose gradients it computes, or raises Unavailable with the reason.
 class Unavailable(Exception):
     pass
 
 
-def _litespark(eps, w):
+# ---------------------------------------------------------------------------------------------- RMSNorm
+def _rms_litespark(eps, x, w):
     from litespark_megatron.kernels import rms_norm as rn
     if rn.rms_norm_path("cuda") != "litespark":
         raise Unavailable("Triton does not import here")
-    return (lambda x: rn.rms_norm_triton(x, w, eps)), w
+    return (lambda: (rn.rms_norm_triton(x, w, eps),)), (x, w)
 
 
-def _te(eps, w):
+def _rms_te(eps, x, w):
+    te = _import_te()
+    module = te.RMSNorm(w.numel(), eps=eps, params_dtype=w.dtype, device="cuda")
+    with torch.no_grad():
+        module.weight.copy_(w)
+    return (lambda: (module(x),)), (x, module.weight)
+
+
+def _rms_compiled(eps, x, w):
+    from litespark_megatron.layers import elementwise
+    return (lambda: (elementwise.rms_norm(x, w, eps),)), (x, w)
+
+
+def _rms_eager(eps, x, w):
+    from litespark_megatron.kernels.rms_norm import rms_norm_reference
+    return (lambda: (rms_norm_reference(x, w, eps),)), (x, w)
+
+
+RMS_NORM = (("litespark", _rms_litespark), ("te", _rms_te), ("torch.compile", _rms_compiled),
+            ("torch eager", _rms_eager))
+
+
+def bench_rms_norm(hidden: int, tokens: int, dtype: torch.dtype, eps: float = 1e-5) -> List[dict]:
+    """Rows of the RMSNorm table, one per candidate: [tokens, hidden] rows and their weight."""
+    from litespark_megatron.kernels.rms_norm import rms_norm_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    dy = torch.randn_like(x)
+    # Bytes a pass must move at least: forward reads x, writes y; backward reads x and dy, writes dx.
+    moved = (2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size())
+    row = dict(kernel="rms-norm", shape=f"{tokens} x {hidden}", dtype=str(dtype).split(".")[-1])
+    return [_measure(dict(row, candidate=name), build, (eps,), (x, w), (dy,),
+                     lambda x64, w64: rms_norm_reference(x64, w64, eps), moved) for name, build in RMS_NORM]
+
+
+# ---------------------------------------------------------------------------------------------- QKV split + RoPE
+def _angles(s: int, d: int) -> torch.Tensor:
+    """Llama 3's RoPE angles (base 500,000) of positions 0..s-1, [s, 1, 1, d] fp32, as megatron-core makes them."""
+    inv = 500000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    half = torch.outer(torch.arange(s, device="cuda", dtype=torch.float32), inv)
+    return torch.cat([half, half], dim=-1).view(s, 1, 1, d)
+
+
+def _rope_litespark(p, freqs, mixed):
+    from litespark_megatron.kernels import qkv_rope as qr
+    if qr.qkv_rope_path("cuda") != "litespark":
+        raise Unavailable("Triton does not import here")
+    return (lambda: qr.qkv_rope_triton(mixed, freqs, freqs, p)), (mixed,)
+
+
+def _rope_te(p, freqs, mixed):
+    """megatron-core's split (views), TE's fused RoPE on the query and key, the value made contiguous (what the
+    Litespark attention does without the flag)."""
+    _import_te()
+    from megatron.core.models.common.embeddings.rope_utils import fused_apply_rotary_pos_emb
+    if fused_apply_rotary_pos_emb is None:
+        raise Unavailable("megatron-core found no fused RoPE in Transformer Engine")
+    s, b, groups, width = mixed.shape
+    d = width // (p + 2)
+
+    def run():
+        query, key, value = torch.split(mixed, [p * d, d, d], dim=3)
+        query = query.reshape(s, b, groups * p, d)
+        return (fused_apply_rotary_pos_emb(query, freqs), fused_apply_rotary_pos_emb(key, freqs),
+                value.contiguous())
+    return run, (mixed,)
+
+
+def _rope_eager(p, freqs, mixed):
+    from litespark_megatron.kernels.qkv_rope import qkv_rope_reference
+    return (lambda: qkv_rope_reference(mixed, freqs, freqs, p)), (mixed,)
+
+
+QKV_ROPE = (("litespark", _rope_litespark), ("megatron split + te RoPE", _rope_te), ("torch eager", _rope_eager))
+
+
+def bench_qkv_rope(heads: int, groups: int, head_size: int, seq: int, batch: int, dtype: torch.dtype) -> List[dict]:
+    """Rows of the QKV split + RoPE table: the projection's [seq, batch, groups, (heads / groups + 2) * d] output."""
+    from litespark_megatron.kernels.qkv_rope import qkv_rope_reference
+
+    torch.manual_seed(0)
+    p = heads // groups
+    mixed = torch.randn(seq, batch, groups, (p + 2) * head_size, device="cuda", dtype=dtype)
+    freqs = _angles(seq, head_size)
+    upstream = (torch.randn(seq, batch, heads, head_size, device="cuda", dtype=dtype),
+                torch.randn(seq, batch, groups, head_size, device="cuda", dtype=dtype),
+                torch.randn(seq, batch, groups, head_size, device="cuda", dtype=dtype))
+    moved = (2 * mixed.numel() * mixed.element_size(),) * 2  # each way: the buffer read once, written once
+
+    def reference(m):
+        return qkv_rope_reference(m, freqs.double(), freqs.double(), p)
+    row = dict(kernel="qkv-rope", shape=f"{seq} x {batch} x {groups} x ({p} + 2) x {head_size}",
+               dtype=str(dtype).split(".")[-1])
+    return [_measure(dict(row, candidate=name), build, (p, freqs), (mixed,), upstream, reference, moved)
+            for name, build in QKV_ROPE]
+
+
+# ---------------------------------------------------------------------------------------------- the harness
+def _import_te():
     try:
         import transformer_engine.pytorch as te
     except ImportError as e:
         raise Unavailable(f"Transformer Engine does not import ({e.__class__.__name__})") from None
-    module = te.RMSNorm(w.numel(), eps=eps, params_dtype=w.dtype, device="cuda")
-    with torch.no_grad():
-        module.weight.copy_(w)
-    return module, module.weight
-
-
-def _compiled(eps, w):
-    from litespark_megatron.layers import elementwise
-    return (lambda x: elementwise.rms_norm(x, w, eps)), w
-
-
-def _eager(eps, w):
-    from litespark_megatron.kernels.rms_norm import rms_norm_reference
-    return (lambda x: rms_norm_reference(x, w, eps)), w
-
-
-RMS_NORM = (("litespark", _litespark), ("te", _te), ("torch.compile", _compiled), ("torch eager", _eager))
+    return te
 
 
 def _median_ms(fn: Callable[[], object]) -> float:
@@ -73,91 +158,96 @@ def _kernel_ms(fn: Callable[[], object], calls: int = 20) -> float:
     return profile_steps(fn, calls, cuda=True)["kernel_ms_per_step"]
 
 
-def bench_rms_norm(hidden: int, tokens: int, dtype: torch.dtype, eps: float = 1e-5) -> List[dict]:
-    """Rows of the RMSNorm table: one per candidate."""
-    torch.manual_seed(0)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
-    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
-    dy = torch.randn_like(x)
-    size = x.element_size()
-    # Bytes a pass must move at least: forward reads x, writes y; backward reads x and dy, writes dx.
-    fwd_bytes, bwd_bytes = 2 * x.numel() * size, 3 * x.numel() * size
-    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    from litespark_megatron.kernels.rms_norm import rms_norm_reference
-    y64 = rms_norm_reference(x64, w64, eps)
-    gx64, gw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
-    rows = []
-    for name, build in RMS_NORM:
-        row = dict(kernel="rms-norm", candidate=name, hidden=hidden, tokens=tokens, dtype=str(dtype).split(".")[-1])
-        try:
-            fn, wi = build(eps, w.detach().clone().requires_grad_())
-        except Unavailable as e:
-            rows.append(dict(row, unavailable=str(e)))
-            continue
-        xi = x.detach().clone().requires_grad_()
-        y = fn(xi)
-        gx, gw = torch.autograd.grad(y, (xi, wi), dy)
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference from the fp64 reference, relative to the reference's largest value."""
+    want = want.detach()
+    return float((got.detach().double() - want).abs().max() / want.abs().max())
 
-        def err(got, want):
-            want = want.detach()
-            return float((got.detach().double() - want).abs().max() / want.abs().max())
 
-        with torch.no_grad():
-            fwd, fwd_kernels = _median_ms(lambda: fn(x)), _kernel_ms(lambda: fn(x))
+def _measure(row: dict, build, settings: tuple, inputs: tuple, upstream: tuple, reference, moved) -> dict:
+    """One candidate: `build(*settings, *leaves)` on fresh leaves of `inputs`; its outputs and the leaves' gradients
+    (for `upstream`) against `reference(*inputs in fp64)`; forward and forward+backward timed both ways."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    try:
+        run, grad_of = build(*settings, *leaves)
+    except Unavailable as e:
+        return dict(row, unavailable=str(e))
+    outputs = run()
+    grads = torch.autograd.grad(outputs, grad_of, upstream)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    want = reference(*wide)
+    want = want if isinstance(want, tuple) else (want,)
+    want_grads = torch.autograd.grad(want, wide, [u.double() for u in upstream])
+    with torch.no_grad():
+        forward, forward_kernels = _median_ms(run), _kernel_ms(run)
 
-        def fwd_bwd():
-            xi.grad = wi.grad = None
-            fn(xi).backward(dy)
-        both, both_kernels = _median_ms(fwd_bwd), _kernel_ms(fwd_bwd)
-        rows.append(dict(row, forward_ms=fwd, forward_backward_ms=both, forward_kernel_ms=fwd_kernels,
-                         forward_backward_kernel_ms=both_kernels, forward_gb_s=fwd_bytes / fwd_kernels / 1e6,
-                         forward_backward_gb_s=(fwd_bytes + bwd_bytes) / both_kernels / 1e6,
-                         error_y=err(y, y64), error_dx=err(gx, gx64), error_dw=err(gw, gw64)))
-    return rows
+    def forward_backward():
+        for t in grad_of:
+            t.grad = None
+        torch.autograd.backward(run(), upstream)
+    both, both_kernels = _median_ms(forward_backward), _kernel_ms(forward_backward)
+    return dict(row, forward_ms=forward, forward_kernel_ms=forward_kernels, forward_backward_ms=both,
+                forward_backward_kernel_ms=both_kernels, forward_gb_s=moved[0] / forward_kernels / 1e6,
+                forward_backward_gb_s=(moved[0] + moved[1]) / both_kernels / 1e6,
+                error_outputs=max(_error(g, w) for g, w in zip(outputs, want)),
+                error_gradients=max(_error(g, w) for g, w in zip(grads, want_grads)))
 
 
 def render(rows: Sequence[dict]) -> str:
-    lines = ["| kernel | candidate | hidden | tokens | dtype | forward: kernels ms / GB/s / wall ms | "
-             "forward+backward: kernels ms / GB/s / wall ms | error y / dx / dw (vs fp64) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | candidate | shape | dtype | forward: kernels ms / GB/s / wall ms | "
+             "forward+backward: kernels ms / GB/s / wall ms | error outputs / gradients (vs fp64) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {r['kernel']} | {r['candidate']} | {r['hidden']} | {r['tokens']} | {r['dtype']} |"
+        head = f"| {r['kernel']} | {r['candidate']} | {r['shape']} | {r['dtype']} |"
         if "unavailable" in r:
             lines.append(f"{head} not run: {r['unavailable']} | | |")
             continue
         lines.append(f"{head} {r['forward_kernel_ms']:.3f} / {r['forward_gb_s']:,.0f} / {r['forward_ms']:.3f} | "
                      f"{r['forward_backward_kernel_ms']:.3f} / {r['forward_backward_gb_s']:,.0f} / "
-                     f"{r['forward_backward_ms']:.3f} | {r['error_y']:.1e} / {r['error_dx']:.1e} / "
-                     f"{r['error_dw']:.1e} |")
+                     f"{r['forward_backward_ms']:.3f} | {r['error_outputs']:.1e} / {r['error_gradients']:.1e} |")
     return "\n".join(lines)
 
 
 def build_parser() -> cli.OneLineParser:
     p = cli.OneLineParser(prog="kernel_bench.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["rms-norm"], default="rms-norm")
-    p.add_argument("--model", choices=sorted(PRESETS), help="take the hidden size from this preset")
-    p.add_argument("--hidden", type=cli.positive_int, action="append", help="hidden size (repeatable)")
+    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope"], default="rms-norm")
+    p.add_argument("--model", choices=sorted(PRESETS), help="take the shape (hidden size, heads) from this preset")
+    p.add_argument("--hidden", type=cli.positive_int, action="append",
+                   help="rms-norm: hidden size (repeatable; default the --model's)")
     p.add_argument("--tokens", type=cli.positive_int, default=16384,
-                   help="rows: micro-batch x sequence length (default 16384, llama-3b's micro-batch 4 x 4096)")
+                   help="rms-norm: rows, micro-batch x sequence length (default 16384, llama-3b's micro-batch 4 "
+                        "x 4096)")
+    p.add_argument("--seq-length", type=cli.positive_int, default=4096, help="qkv-rope: sequence length")
+    p.add_argument("--micro-batch-size", type=cli.positive_int, default=4, help="qkv-rope: micro-batch")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines instead of a table")
     return p
 
 
+def _refuse(message: str, see_help: bool = True) -> int:
+    print(f"kernel_bench.py: error: {message}{' (see --help)' if see_help else ''}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = build_parser().parse_args(argv)
-    hidden = list(opts.hidden or [])
-    if opts.model:
-        hidden.append(int(PRESETS[opts.model].flags["hidden-size"]))
-    if not hidden:
-        print("kernel_bench.py: error: give --hidden N or --model NAME (see --help)", file=sys.stderr)
-        return 2
+    flags = PRESETS[opts.model].flags if opts.model else {}
+    hidden = list(opts.hidden or []) or ([int(flags["hidden-size"])] if flags else [])
+    if opts.kernel == "rms-norm" and not hidden:
+        return _refuse("give --hidden N or --model NAME")
+    if opts.kernel == "qkv-rope" and not flags:
+        return _refuse("--kernel qkv-rope takes its heads, query groups and head size from --model NAME")
     if not torch.cuda.is_available():
-        print("kernel_bench.py: error: no CUDA device here; the kernels it compares run on a GPU", file=sys.stderr)
-        return 2
+        return _refuse("no CUDA device here; the kernels it compares run on a GPU", see_help=False)
     rows: List[Dict] = []
-    for h in hidden:
-        rows += bench_rms_norm(h, opts.tokens, DTYPES[opts.dtype])
+    if opts.kernel == "rms-norm":
+        for h in hidden:
+            rows += bench_rms_norm(h, opts.tokens, DTYPES[opts.dtype])
+    else:
+        heads = int(flags["num-attention-heads"])
+        rows += bench_qkv_rope(heads, int(flags.get("num-query-groups", heads)),
+                               int(flags["hidden-size"]) // heads, opts.seq_length, opts.micro_batch_size,
+                               DTYPES[opts.dtype])
     print("\n".join(json.dumps(r) for r in rows) if opts.json else
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + render(rows))
     return 0
