@@ -299,6 +299,15 @@ def test_parser_defaults_match_the_documented_run():
     assert list(benchmark.parse_systems(opts.systems)) == ["hf-eager", "hf-liger", "litespark-bf16",
                                                            "litespark-fp8", "stock-te-bf16", "stock-te-fp8"]
     assert benchmark.micro_batch_plan(opts) == (2, [2])
+    # Leading VAR=value words are the worker's environment, not flags; flags still checked after them.
+    name, system = benchmark.parse_variant("stock-cudnn=stock-te-fp8:NVTE_NORM_FWD_USE_CUDNN=1 "
+                                           "NVTE_NORM_BWD_USE_CUDNN=1 --cross-entropy-loss-fusion")
+    assert system.env == (("NVTE_NORM_FWD_USE_CUDNN", "1"), ("NVTE_NORM_BWD_USE_CUDNN", "1"))
+    assert system.flags[-1] == "--cross-entropy-loss-fusion" and "NVTE" not in " ".join(system.flags)
+    assert benchmark.parse_variant("only-env=stock-te-fp8:NVTE_NORM_FWD_USE_CUDNN=1")[1].flags == \
+        benchmark.SYSTEMS["stock-te-fp8"].flags
+    with pytest.raises(benchmark.UserError, match="--variant v: unrecognized arguments: --bogus"):
+        benchmark.parse_variant("v=stock-te-fp8:A=1 --bogus")
     # Variants alone: the systems they vary need not run as rows of their own.
     assert list(benchmark.parse_systems("", ["a=stock-te-fp8:--cross-entropy-loss-fusion",
                                              "b=litespark-fp8:--litespark-cross-entropy"])) == ["a", "b"]
@@ -644,3 +653,24 @@ def test_the_largest_micro_batch_that_fits():
     for t, expected, text in cases:
         assert benchmark.largest_fitting(t) == expected
         assert benchmark._largest_fitting_text(expected) == text
+
+
+def test_a_variants_environment_reaches_its_worker_alone(tmp_path, monkeypatch):
+    seen = []
+
+    class Exited:
+        pid = 0
+
+        def wait(self, timeout=None):
+            return 1
+
+    def popen(cmd, env=None, **kwargs):
+        seen.append(env)
+        return Exited()
+    monkeypatch.setattr(benchmark.subprocess, "Popen", popen)
+    monkeypatch.setattr(benchmark, "_kill_group", lambda proc: None)
+    opts = benchmark.build_parser().parse_args(TINY)
+    _, variant = benchmark.parse_variant("v=stock-te-fp8:LITESPARK_TEST_VARIANT_ENV=1 --cross-entropy-loss-fusion")
+    for system in (variant, benchmark.SYSTEMS["stock-te-fp8"]):
+        assert benchmark.run_worker("v", system, [], 1, 1, opts, tmp_path)["status"] == "failed"
+    assert seen[0]["LITESPARK_TEST_VARIANT_ENV"] == "1" and "LITESPARK_TEST_VARIANT_ENV" not in seen[1]

@@ -34,7 +34,9 @@ Systems (`--systems`, comma list):
   device synchronize), energy and memory come from its metrics.jsonl (one log interval per step).
 
 `--variant NAME=SYSTEM:FLAGS` adds a system that is SYSTEM plus some litespark-train flags (a recipe, a fusion,
-a recompute setting), so that one change is measured side by side with what it changes, in the same run.
+a recompute setting), so that one change is measured side by side with what it changes, in the same run. FLAGS may
+start with VAR=value words, as a shell command may: that system's worker runs with them in its environment (e.g.
+Transformer Engine's cuDNN norms, `NVTE_NORM_FWD_USE_CUDNN=1 NVTE_NORM_BWD_USE_CUDNN=1`, for a best-stock row).
 
 What each system ran is part of its row (backend_probe.py): the attention kernel, observed on an untimed step (the
 trainer's first; for HF one more after the timed ones) (TE's FusedAttention / FlashAttention /
@@ -90,6 +92,7 @@ class System:
     compile: bool = False       # hf: torch.compile the model
     needs_te: bool = False
     liger: bool = False         # hf: Liger-Kernel's Triton kernels patched in (liger_kernels)
+    env: Tuple[Tuple[str, str], ...] = ()  # environment variables of its worker (a variant's VAR=value tokens)
 
 
 SYSTEMS: Dict[str, System] = {
@@ -146,7 +149,8 @@ def build_parser():
     p.add_argument("--variant", action="append", default=[], metavar="NAME=SYSTEM:FLAGS",
                    help="one more system, run after --systems: SYSTEM (a megatron one) with extra litespark-train "
                         "FLAGS, to measure one change side by side with SYSTEM in the same run, e.g. --variant "
-                        "\"litespark-fp8-tensorwise=litespark-fp8:--fp8-recipe tensorwise\"; repeatable")
+                        "\"litespark-fp8-tensorwise=litespark-fp8:--fp8-recipe tensorwise\"; FLAGS may start with "
+                        "VAR=value words for the worker's environment; repeatable")
     p.add_argument("--megatron-flags", default="",
                    help="extra litespark-train flags for every megatron system (Litespark and stock), quoted as one "
                         "string after an equals sign, e.g. --megatron-flags=\"--cross-entropy-loss-fusion\"")
@@ -215,8 +219,12 @@ def parse_variant(text: str, flags: Sequence[str] = ()) -> Tuple[str, System]:
         raise UserError(f"--variant {text}: '{base}' is an HF system, which takes no litespark-train flags; vary a "
                         "megatron system")
     system = SYSTEMS[base]
-    check_megatron_flags(list(flags) + list(system.flags), extra, what=f"--variant {name}")
-    return name, replace(system, flags=system.flags + tuple(shlex.split(extra)),
+    tokens = shlex.split(extra)
+    env = []
+    while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):  # leading VAR=value: the worker's environment
+        env.append(tuple(tokens.pop(0).split("=", 1)))
+    check_megatron_flags(list(flags) + list(system.flags), shlex.join(tokens), what=f"--variant {name}")
+    return name, replace(system, flags=system.flags + tuple(tokens), env=tuple(env),
                          description=f"{system.description}, plus `{extra.strip()}`")
 
 
@@ -452,7 +460,8 @@ def run_worker(name: str, system: System, flags: List[str], mbs: int, gbs: int, 
         log.flush()
         # A session of its own, so that a timeout ends the worker together with what it started (torch.compile's
         # compile workers), by process group.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**_child_env(), **dict(system.env)},
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=opts.timeout)
         except subprocess.TimeoutExpired:
