@@ -3,12 +3,14 @@ test that builds a model runs it in its own process (or torchrun group) with its
 import importlib.util
 import itertools
 import json
+import multiprocessing
 import os
 import pickle
 import signal
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
+WORKER_DIR = TESTS / "workers"  # the scripts the tests start as processes (ranks, trainers, converters)
 
 # Two passes (scripts/test.sh). The suite checks the CPU path (gloo, the CPU shims, what a CPU run reports) on every
 # machine: its assertions say what a CPU computes and its layouts start more ranks than a machine has GPUs, so it
@@ -79,11 +82,70 @@ def _place(item) -> int:
     return next((i for i, prefix in enumerate(LONGEST_FIRST) if prefix in (name, item.path.name)), len(LONGEST_FIRST))
 
 
+# Two rooms: `unit` tests run in this process; `integration` tests start processes (trainers, torchrun ranks,
+# converters, the tools' workers). `pytest -m unit` is the quick loop (about a minute); the CI gate is the whole
+# suite. A test is integration when it, a fixture it uses, or a function of the tests it calls (followed through
+# their code) reaches a helper below that starts a process, or the subprocess module; a test whose process starts
+# deeper, inside the package (the benchmark's workers, ...), says so with @pytest.mark.integration. A test filed as
+# unit that starts a process fails, with the line to add (_unit_tests_start_no_process, below).
+def _starts_processes(fn, seen) -> bool:
+    code = getattr(fn, "__code__", None)
+    if code is None or fn in seen:
+        return False
+    seen.add(fn)
+    names, stack = set(), [code]
+    while stack:  # the function's names, and those of the lambdas and inner functions it defines
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    for name in names:
+        obj = fn.__globals__.get(name)
+        if obj is subprocess or obj is multiprocessing or any(obj is s for s in _SPAWNERS):
+            return True
+        if isinstance(obj, types.FunctionType) and str(TESTS) in (obj.__code__.co_filename or "") \
+                and _starts_processes(obj, seen):
+            return True
+    return False
+
+
+def _is_integration(item) -> bool:
+    if item.get_closest_marker("integration"):
+        return True
+    seen = set()
+    fixtures = getattr(item, "_fixtureinfo", None)
+    defs = [d for ds in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in ds]
+    ours = [d.func for d in defs if str(TESTS) in getattr(getattr(d.func, "__code__", None), "co_filename", "")
+            and d.argname != "_unit_tests_start_no_process"]  # the guard names subprocess to forbid it
+    return any(_starts_processes(f, seen) for f in [getattr(item, "function", None)] + ours)
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_PASS:
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpu") is None])
         items[:] = [i for i in items if i.get_closest_marker("gpu") is not None]
-    items.sort(key=_place)  # stable: the rest keep their order
+    for item in items:
+        item.add_marker(pytest.mark.integration if _is_integration(item) else pytest.mark.unit)
+    # The first test of each listed group, then the rest of the groups, then the others (a stable sort: each keeps
+    # its order within). A group's tests share what made_once builds: with its first test alone at the front, one
+    # worker builds it while the others run other long tests, instead of all of them waiting for it at once.
+    places = [_place(item) for item in items]
+    firsts = {p: i for i, p in reversed(list(enumerate(places)))}
+    order = {id(item): (0 if firsts[p] == i and p < len(LONGEST_FIRST) else 1, p)
+             for i, (item, p) in enumerate(zip(items, places))}
+    items.sort(key=lambda item: order[id(item)])
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A test filed as unit may not start a process: its classification would be wrong, and the quick loop slow."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process but was filed as a unit test: mark it "
+                             "@pytest.mark.integration (tests/conftest.py)")
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 def made_once(tmp_path_factory, name: str, build):
@@ -313,6 +375,9 @@ def parity_run(tmp_path, nproc: int, flags, env=None) -> dict:
     return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
 
 
+_SPAWNERS = (run, torchrun, train, parity_run)  # conftest's helpers that start processes (the rooms, above)
+
+
 @pytest.fixture
 def py():
     """Run `python -c CODE` (or a script with args) in a fresh process with the project on the path."""
@@ -366,7 +431,7 @@ def running(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-SAVED_TENSOR_MODELS = {  # name -> litespark-train flags of the tiny model (tests/saved_tensors_worker.py)
+SAVED_TENSOR_MODELS = {  # name -> litespark-train flags of the tiny model (tests/workers/saved_tensors_worker.py)
     "rope-gqa": "--spec litespark --transformer-impl local",
     "nope-gqa": "--spec litespark --transformer-impl local --position-embedding-type none",
     "nope-mha": "--spec litespark --transformer-impl local --position-embedding-type none --num-query-groups 4",
@@ -377,7 +442,7 @@ SAVED_TENSOR_MODELS = {  # name -> litespark-train flags of the tiny model (test
 @pytest.fixture(scope="session")
 def saved_tensors():
     """What each of SAVED_TENSOR_MODELS keeps for the backward of a training forward, from one worker process."""
-    proc = run([sys.executable, TESTS / "saved_tensors_worker.py", *SAVED_TENSOR_MODELS.values()],
+    proc = run([sys.executable, WORKER_DIR / "saved_tensors_worker.py", *SAVED_TENSOR_MODELS.values()],
                env=child_env(MASTER_PORT=free_port()))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(zip(SAVED_TENSOR_MODELS, json.loads(proc.stdout.strip().splitlines()[-1])))

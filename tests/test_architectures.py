@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import TESTS, made_once, ok, parity_run, records, train
+from conftest import WORKER_DIR, made_once, ok, parity_run, records, train
 
 BASE = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "3", "--eval-iters", "0", "--eval-interval",
@@ -98,7 +98,7 @@ def test_litespark_follows_moe_layer_freq(py, freq, moe_layers):
     """--moe-layer-freq (an int, or Megatron-LM's list pattern) makes the same layers MoE with the Litespark spec
     as with stock's (the rest dense): the same layers, parameters and state-dict keys, the same logits from the
     same weights."""
-    proc = py(TESTS / "spec_worker.py", "litespark", "stock-local", *MOE, "--moe-layer-freq", freq,
+    proc = py(WORKER_DIR / "spec_worker.py", "litespark", "stock-local", *MOE, "--moe-layer-freq", freq,
               "--transformer-impl", "local", "--no-persist-layer-norm")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -48,6 +48,7 @@ def check_ok_row(row, seq: int, gbs: int):
     assert abs(row["loss_first"] - math.log(4096)) < 0.3 and math.isfinite(row["loss_last"])
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
     recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -121,6 +122,7 @@ def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="hf-eager needs HuggingFace transformers (pip install "
                                                   "transformers), which is not a dependency of the package")
+@pytest.mark.integration  # its processes start inside the package
 def test_cpu_hf_eager_baseline_and_ratios(tmp_path, capsys):
     out = tmp_path / "bench"
     rc = benchmark.main(TINY + ["--global-batch-size", "4", "--systems", "hf-eager,litespark-local-bf16",
@@ -220,6 +222,7 @@ def test_best_micro_batch_keeps_the_fastest_that_fits_and_stops_at_oom(monkeypat
     assert "- PARTIAL: still to run: hf-eager" in benchmark.render_markdown(progress[0])
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_worker_timeout_is_reported(tmp_path, capsys):
     rc = benchmark.main(TINY + ["--systems", "litespark-local-bf16", "--timeout", "1", "--out", str(tmp_path)])
     capsys.readouterr()
@@ -500,6 +503,7 @@ def test_exit_code_follows_failures_and_degraded_systems(rows, allow, code, said
     assert capsys.readouterr().err.splitlines() == said
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_cpu_degraded_system_fails_the_run_unless_allowed(tmp_path, capsys):
     """A real fallback on the CPU: the stock local spec's attention (megatron-core's DotProductAttention) builds
     the score matrix. The run completes, flags it, and exits 1; with --allow-degraded it exits 0."""
@@ -567,6 +571,7 @@ def test_hf_llama_3b_is_the_megatron_shape_in_bf16():
     assert torch.get_default_dtype() == torch.float32  # restored after the build
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_refuses_before_measuring_when_te_fused_attention_is_unavailable(monkeypatch, tmp_path, capsys):
     """The pre-flight check (TE's attention run once in a fresh process) stands in for a GPU whose TE loaded another
     cuDNN than torch: nothing is measured, exit 1, the cause named; --allow-degraded measures and says so on top."""
@@ -582,6 +587,7 @@ def test_refuses_before_measuring_when_te_fused_attention_is_unavailable(monkeyp
     assert f"- **WARNING** (measured with --allow-degraded): {warning}" in capsys.readouterr().out
 
 
+@pytest.mark.integration  # its processes start inside the package
 @pytest.mark.gpu
 def test_preflight_gives_the_start_up_check_answer():
     """The preflight (a fresh process) answers what the trainer's start-up check answers for the model's heads:

@@ -57,6 +57,7 @@ def test_liger_fusions_checks_each_kernel_took(monkeypatch):
         benchmark.liger_fusions(model)
 
 
+@pytest.mark.integration  # its processes start inside the package
 @pytest.mark.gpu
 def test_hf_liger_trains_as_hf_eager_does(tmp_path):
     """On a GPU: hf-liger and hf-eager from the same seed on the same tokens start at the same loss (Liger computes

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from conftest import ROOT, child_env, free_port, ok, records, run, running, torchrun, train
+from conftest import WORKER_DIR, child_env, free_port, ok, records, run, running, torchrun, train
 
 from litespark_megatron import checkpoint_dir
 
@@ -161,14 +161,14 @@ def test_a_start_that_loads_its_save_directory_or_finds_no_checkpoint_there_goes
 
 
 def test_killed_save_is_removed_and_the_run_resumes_from_the_one_before(tmp_path):
-    """SIGKILL in the middle of saving iteration 4 (tests/kill_in_save.py) leaves iter_0000004 half-written and the
-    tracker at 2. The same command again removes it with one line, resumes from 2, trains to 7 and keeps only the
-    newest checkpoint; once more, at the end already, it does not rewrite iter_0000007 in place (7 is not a multiple
+    """SIGKILL in the middle of saving iteration 4 (tests/workers/kill_in_save.py) leaves iter_0000004 half-written
+    and the tracker at 2. The same command again removes it with one line, resumes from 2, trains to 7 and keeps only
+    the newest checkpoint; once more, at the end already, it does not rewrite iter_0000007 in place (7 is not a multiple
     of --save-interval, so megatron.training would save it again at the end)."""
     save = tmp_path / "run"
     flags = [*MOCK, "--train-iters", "7", "--save-interval", "2", "--save", save, "--load", save,
              "--keep-last-checkpoints", "1"]
-    killed = run([sys.executable, ROOT / "tests" / "kill_in_save.py", *flags],
+    killed = run([sys.executable, WORKER_DIR / "kill_in_save.py", *flags],
                  env=child_env(MASTER_PORT=free_port(), KILL_IN_SAVE_AT=4))
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
@@ -224,11 +224,11 @@ def test_a_run_that_does_not_load_its_save_directory_leaves_the_checkpoints_ther
 
 
 def test_a_failed_save_is_one_line_and_the_previous_checkpoint_stays(tmp_path):
-    """The filesystem fills up while iteration 4 is written (tests/disk_full_in_save.py fails megatron-core's writer
-    with ENOSPC mid-file): one line on stderr naming the cause instead of every rank's traceback, exit 1, the tracker
-    at 2. The run had no --load: the same command would not resume, the line says how to."""
+    """The filesystem fills up while iteration 4 is written (tests/workers/disk_full_in_save.py fails megatron-core's
+    writer with ENOSPC mid-file): one line on stderr naming the cause instead of every rank's traceback, exit 1, the
+    tracker at 2. The run had no --load: the same command would not resume, the line says how to."""
     save = tmp_path / "run"
-    proc = run([sys.executable, ROOT / "tests" / "disk_full_in_save.py", *MOCK, "--train-iters", "6",
+    proc = run([sys.executable, WORKER_DIR / "disk_full_in_save.py", *MOCK, "--train-iters", "6",
                 "--save-interval", "2", "--save", save], env=child_env(MASTER_PORT=free_port(), DISK_FULL_AT=4))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -287,12 +287,12 @@ def test_the_cause_of_a_failed_write_is_the_one_megatron_core_logs(tmp_path, cap
 
 
 def test_a_save_that_fails_on_one_rank_alone_is_said_by_that_rank(tmp_path):
-    """Rank 1's save fails before the save's first collective (tests/helper_dies_on_one_rank.py: the writer's
+    """Rank 1's save fails before the save's first collective (tests/workers/helper_dies_on_one_rank.py: the writer's
     results-queue helper dies at birth there, as a scheduler's signal once made it): rank 1 says why in one line
     naming itself; rank 0, whose save then loses its peer, says its own. Before, only rank 0 spoke, of the lost
     connection: the cause was in no log."""
     save = tmp_path / "run"
-    proc = torchrun(2, ROOT / "tests" / "helper_dies_on_one_rank.py", *MOCK, "--train-iters", "4",
+    proc = torchrun(2, WORKER_DIR / "helper_dies_on_one_rank.py", *MOCK, "--train-iters", "4",
                     "--save-interval", "2", "--save", save, env=child_env(HELPER_DIES_ON_RANK=1))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     said = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]

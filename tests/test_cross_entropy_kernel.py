@@ -1,13 +1,13 @@
 """Litespark's cross-entropy (kernels/cross_entropy.py): the plain-torch reference is megatron-core's
 vocab_parallel_cross_entropy; the Triton kernels equal the reference (through Triton's interpreter on the CPU, on
-gloo ranks holding 1, 2 or 3 shards of the vocabulary: tests/cross_entropy_worker.py; compiled on a GPU); and
+gloo ranks holding 1, 2 or 3 shards of the vocabulary: tests/workers/cross_entropy_worker.py; compiled on a GPU); and
 --litespark-cross-entropy trains the model megatron-core's loss trains."""
 import json
 
 import pytest
 import torch
 
-from conftest import TESTS, child_env, made_once, ok, records, torchrun, train
+from conftest import WORKER_DIR, child_env, made_once, ok, records, torchrun, train
 from test_arguments import TINY, check
 from litespark_megatron.arguments import ConfigError
 from litespark_megatron.kernels import cross_entropy as ce
@@ -18,7 +18,7 @@ def interpreted(tmp_path_factory):
     """The worker's largest differences and its single-rank findings (Triton's interpreter reads TRITON_INTERPRET
     when Triton is first imported: a fresh process)."""
     def build(_):
-        proc = torchrun(3, TESTS / "cross_entropy_worker.py", env=child_env(TRITON_INTERPRET=1))
+        proc = torchrun(3, WORKER_DIR / "cross_entropy_worker.py", env=child_env(TRITON_INTERPRET=1))
         # Every rank's first error: the rank that failed first leaves the others waiting in a collective, and their
         # errors (connection closed) fill the end of the output.
         first = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]") or "Error" in line]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TESTS, free_port, made_once, ok, records, run, torchrun, train
+from conftest import WORKER_DIR, free_port, made_once, ok, records, run, torchrun, train
 
 VOCAB = 301  # TP pads it (to 384 at TP1, 512 at TP2): the padded rows must not change logits or loss
 SEQ = 32
@@ -73,13 +73,13 @@ def convert(*argv):
 
 
 def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout, model=None):
-    """The logits megatron.training's model gives after `--load ckpt` in this layout (tests/hf_logits_worker.py);
-    the model's flags are `model`, by default the import's model.yaml."""
+    """The logits megatron.training's model gives after `--load ckpt` in this layout
+    (tests/workers/hf_logits_worker.py); the model's flags are `model`, by default the import's model.yaml."""
     tokens_file, out = tmp_path / "tokens.json", tmp_path / f"logits_{free_port()}.pt"
     tokens_file.write_text(json.dumps({"tokens": tokens.tolist()}))
     model = model or ["--config", ckpt / "model.yaml"]
-    ok(torchrun(nproc, TESTS / "hf_logits_worker.py", tokens_file, out, "--", *model, "--load", ckpt, "--mock-data",
-                "--skip-train", *layout))
+    ok(torchrun(nproc, WORKER_DIR / "hf_logits_worker.py", tokens_file, out, "--", *model, "--load", ckpt,
+                "--mock-data", "--skip-train", *layout))
     return torch.load(out)
 
 

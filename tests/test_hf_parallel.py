@@ -23,6 +23,7 @@ def _largest_deviation(steps, reference):
             max(abs(a[1] - b[1]) / b[1] for a, b in zip(steps, reference)))
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains(tmp_path, capsys):
     """Per-step loss and gradient norm (lr 1e-2, so every step's update shows) of DDP and FSDP2 on 2 ranks, each rank
     accumulating 2 micro-batches, against one process. The tolerance is this test's own noise floor: one process
@@ -55,6 +56,7 @@ def test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains(tmp_path, caps
     assert table.count("| torch SDPA FlashAttention (CPU); fused: none |") == 4
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_an_hf_run_writes_tensorboard_under_megatron_trainings_tags(tmp_path):
     """With --tensorboard-dir an HF layout writes the loss, gradient norm and learning rate under megatron.training's
     tags and Telemetry's throughput scalars, one value per log interval, like a litespark-train run."""
@@ -176,6 +178,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_a_run_past_the_timeout_is_stopped_whole_and_says_where_it_was(tmp_path, monkeypatch):
     """A hung run (here a process and the helper it started, both asleep) is stopped as a whole: SIGABRT first, on
     which Python prints where it was, then SIGKILL; no process of it is left to hold a GPU for the next layout."""

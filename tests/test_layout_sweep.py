@@ -2,6 +2,8 @@
 fails the sweep unless --allow-degraded."""
 import json
 
+import pytest
+
 from conftest import load_tool
 
 SHARED = ["--", "--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size",
@@ -9,6 +11,7 @@ SHARED = ["--", "--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab
           "--eval-interval", "100"]
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
     sweep = load_tool("layout_sweep")
     rc = sweep.main(["--out", str(tmp_path / "a"), "--layout", "1:", "--layout", "1:--spec stock-local"] + SHARED)
@@ -29,6 +32,7 @@ def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
     assert rc == 0 and "**DEGRADED**" in (tmp_path / "b" / "sweep.md").read_text()
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_a_refused_layout_reports_the_trainers_reason(tmp_path, capsys):
     """...and the ratios are taken against the first layout that trained, which sweep.md names."""
     sweep = load_tool("layout_sweep")
@@ -44,6 +48,7 @@ def test_a_refused_layout_reports_the_trainers_reason(tmp_path, capsys):
     assert "ratios against the first layout that trained: 1:(none)" in (tmp_path / "sweep.md").read_text()
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_megatron_layouts_beside_hf_ones_train_on_random_tokens(tmp_path, capsys):
     sweep = load_tool("layout_sweep")
     mixed = ["--layout", "1:", "--layout", "1:hf-ddp"]

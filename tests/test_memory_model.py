@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import TESTS, child_env, free_port, run
+from conftest import WORKER_DIR, child_env, free_port, run
 from litespark_megatron.apps import calibration, memory_model as mm
 from litespark_megatron.apps.memory_model import MemorySetup, estimate, in_flight, layer_bytes
 from litespark_megatron.errors import UserError
@@ -169,7 +169,7 @@ def cpu_saved():
                  "--recompute-num-layers 1",
         "full2": "--micro-batch-size 2 --global-batch-size 2 --recompute-granularity full --recompute-method uniform "
                  "--recompute-num-layers 2"}
-    proc = run([sys.executable, TESTS / "memory_worker.py", *(f"{base} {f}" for f in settings.values())],
+    proc = run([sys.executable, WORKER_DIR / "memory_worker.py", *(f"{base} {f}" for f in settings.values())],
                env=child_env(MASTER_PORT=free_port()))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(zip(settings, json.loads(proc.stdout.strip().splitlines()[-1])))

@@ -1,7 +1,7 @@
 """Parameter-efficient fine-tuning (--peft lora|dora|freeze) on the Litespark layer, from a base that is a
 `litespark-convert import` of a tiny transformers Llama (GQA, untied, a vocabulary TP pads):
 
-- the adapted model starts as its base bit for bit (B = 0), in TP1, TP2+SP and PP2 (tests/peft_worker.py);
+- the adapted model starts as its base bit for bit (B = 0), in TP1, TP2+SP and PP2 (tests/workers/peft_worker.py);
 - HF peft is the oracle: the adapter `litespark-convert export-adapter` writes, loaded by peft onto the base's HF
   model, gives the trainer's logits, loss and gradient of every adapter parameter: LoRA (TP1, two of the four
   linears) and DoRA with RSLoRA's scaling in TP1, TP2+SP and PP2 (fp32);
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TESTS, child_env, free_port, made_once, ok, parity_run, run, torchrun
+from conftest import WORKER_DIR, child_env, free_port, made_once, ok, parity_run, run, torchrun
 from test_hf_convert import VOCAB, make_hf_llama
 
 
@@ -53,7 +53,7 @@ def convert(*argv):
 def convert_many(tmp, *commands):
     """[(exit code, last stderr line)] of several litespark-convert commands, in one process."""
     argv = [token for command in commands for token in ("--", *map(str, command))]
-    ok(run([sys.executable, TESTS / "convert_many.py", tmp / "converted.json", *argv]))
+    ok(run([sys.executable, WORKER_DIR / "convert_many.py", tmp / "converted.json", *argv]))
     return json.loads((tmp / "converted.json").read_text())
 
 
@@ -112,7 +112,7 @@ def runs(base, tokens, tmp_path_factory):
         (tmp / "tokens.json").write_text(json.dumps({"tokens": tokens.tolist()}))
         reports, conversions = {}, []
         for name, (nproc, flags) in WORKERS.items():
-            argv = [TESTS / "peft_worker.py", tmp / "tokens.json", tmp / f"{name}.pt", "--",
+            argv = [WORKER_DIR / "peft_worker.py", tmp / "tokens.json", tmp / f"{name}.pt", "--",
                     *model_flags(base), *flags, "--mock-data", "--lr", "5e-3", "--min-lr", "5e-4",
                     "--train-iters", 3, "--eval-iters", 0, "--eval-interval", 10, "--save", tmp / name,
                     "--save-interval", 1]

@@ -152,6 +152,7 @@ def test_the_module_runs_and_refuses_in_one_line():
     assert proc.stderr.strip() == "litespark-plan: error: unknown --gpu 'V100': litespark-plan knows H100, H200, cpu"
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_verify_on_the_cpu_with_two_ranks(tmp_path, capsys):
     """The best layout of two CPU ranks, trained for a few steps by tools/layout_sweep.py: its measured tokens/s
     beside the predicted."""

@@ -4,11 +4,11 @@ import json
 import pytest
 import torch
 
-from conftest import TESTS
+from conftest import WORKER_DIR
 
 
 def _compare(py, spec_a, spec_b, *flags):
-    proc = py(TESTS / "spec_worker.py", spec_a, spec_b, *flags)
+    proc = py(WORKER_DIR / "spec_worker.py", spec_a, spec_b, *flags)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -96,7 +96,8 @@ def test_fused_cross_entropy_equals_unfused(py):
     """--cross-entropy-loss-fusion (both implementations) computes megatron-core's cross-entropy: same per-token
     losses and gradients as the unfused loss, on the same weights, within bf16 rounding."""
     pytest.importorskip("transformer_engine.pytorch", reason="the te implementation needs Transformer Engine")
-    proc = py(TESTS / "loss_fusion_worker.py", "--model", "tiny", "--bf16", "--transformer-impl", "transformer_engine")
+    proc = py(WORKER_DIR / "loss_fusion_worker.py", "--model", "tiny", "--bf16", "--transformer-impl",
+              "transformer_engine")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 5.0 < r["loss_mean"] < 9.0, r  # a fresh model on a 1024 vocabulary: ~ln(1024) = 6.9

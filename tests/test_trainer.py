@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, free_port, losses, made_once, ok, records, run, torchrun, train
+from conftest import ROOT, WORKER_DIR, child_env, free_port, losses, made_once, ok, records, run, torchrun, train
 
 MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6",
@@ -219,20 +219,20 @@ def test_a_run_that_ended_well_leaves_its_process_groups(tmp_path, stop):
     --exit-interval), destroys its process groups together before exit: left to the interpreter's teardown, gloo's
     threads raced the peers that had exited and a finished rank could abort (SIGABRT; seen in about 1 of 30
     four-rank runs)."""
-    proc = torchrun(2, ROOT / "tests" / "groups_after_exit.py", *MOCK, "--train-iters", "3", *stop,
+    proc = torchrun(2, WORKER_DIR / "groups_after_exit.py", *MOCK, "--train-iters", "3", *stop,
                     env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("GROUPS OPEN AFTER EXIT: False") == 2, proc.stdout[-3000:]
 
 
 def test_exit_duration_saves_on_every_rank_at_one_step_and_exits_0(tmp_path):
-    """--exit-duration-in-mins 1 (megatron.training's): rank 1 started a minute early (tests/started_earlier.py
+    """--exit-duration-in-mins 1 (megatron.training's): rank 1 started a minute early (tests/workers/started_earlier.py
     moves its start back). megatron.training takes the earliest start of all ranks and reduces the decision over
     them, so both ranks stop after the same step (the first), save it, and the run exits 0; the same command without
     the limit resumes from it."""
     save = tmp_path / "run"
     flags = [*MOCK, "--train-iters", "40", "--save", save, "--load", save, "--exit-duration-in-mins", "1"]
-    proc = torchrun(2, ROOT / "tests" / "started_earlier.py", *flags,
+    proc = torchrun(2, WORKER_DIR / "started_earlier.py", *flags,
                     env=child_env(EARLIER_RANK=1, EARLIER_SECONDS=61))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "exiting program after" in proc.stdout

@@ -4,7 +4,7 @@ one line naming the rank and the step, and the stacks that show where it is stuc
 import sys
 import time
 
-from conftest import ROOT, child_env, free_port, run, train
+from conftest import WORKER_DIR, child_env, free_port, run, train
 
 from litespark_megatron.watchdog import SPIKE_MIN_HISTORY, SPIKE_WINDOW, WARM_UP_STEPS, LossSpikeGuard, StepWatchdog
 
@@ -27,10 +27,10 @@ def test_the_limit_is_the_factor_times_the_median_after_warm_up():
 
 
 def test_a_hung_step_stops_the_run_with_the_rank_and_its_stack(tmp_path):
-    """Step 8 never ends (tests/hang_at_step.py sleeps in its forward): with the median step ~0.1 s, factor 5 and
-    a 3 s floor, the run stops within seconds, exit 1, and the stack shows the sleeping forward."""
+    """Step 8 never ends (tests/workers/hang_at_step.py sleeps in its forward): with the median step ~0.1 s, factor 5
+    and a 3 s floor, the run stops within seconds, exit 1, and the stack shows the sleeping forward."""
     started = time.time()
-    proc = run([sys.executable, ROOT / "tests" / "hang_at_step.py", *MOCK, "--hang-timeout-factor", "5",
+    proc = run([sys.executable, WORKER_DIR / "hang_at_step.py", *MOCK, "--hang-timeout-factor", "5",
                 "--hang-timeout-min-seconds", "3"], timeout=240,
                env=child_env(MASTER_PORT=free_port(), HANG_AT_STEP=8))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]

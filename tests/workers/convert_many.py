@@ -1,7 +1,7 @@
 """Several litespark-convert commands in one process (each a fresh gloo world of one), for tests that convert many
 checkpoints: the process starts once.
 
-    python tests/convert_many.py OUT.json -- ARGV1... -- ARGV2...
+    python tests/workers/convert_many.py OUT.json -- ARGV1... -- ARGV2...
 
 OUT.json: [[exit code, the last line on stderr or ""], ...], one per command, in order.
 """

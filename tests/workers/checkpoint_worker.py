@@ -1,7 +1,7 @@
 """Load a checkpoint exactly as litespark-train does (megatron.training's setup_model_and_optimizer with the
 model litespark-train builds) and print the model's mean token loss on given tokens, as JSON.
 
-    python tests/checkpoint_worker.py TOKENS.json -- [litespark-train flags, e.g. --load DIR --finetune]
+    python tests/workers/checkpoint_worker.py TOKENS.json -- [litespark-train flags, e.g. --load DIR --finetune]
 
 TOKENS.json holds {"tokens": [[...], ...]}: each row is an input sequence plus its last label (inputs row[:-1],
 labels row[1:]). One process, no pipeline parallelism.

@@ -1,6 +1,6 @@
 """The bytes the tiny model saves for the backward of one training forward on the CPU, for the memory model's checks:
 
-    python tests/memory_worker.py "FLAGS" ["FLAGS" ...]   # litespark-train flags of one model each
+    python tests/workers/memory_worker.py "FLAGS" ["FLAGS" ...]   # litespark-train flags of one model each
 
 Builds each model in turn in this one process (1 rank) and prints a JSON list: per model `saved_bytes`, the bytes of
 every distinct storage the autograd graph keeps (views of one buffer count once, the buffer whole; parameters are

@@ -1,12 +1,14 @@
-"""conftest.made_once: a fixture's result built once per test run, whichever workers ask; a failed build leaves
-nothing behind that a later asker would take for a result."""
+"""The suite's own helpers (tests/conftest.py): made_once builds a fixture's result once per test run, whichever
+workers ask, and a failed build leaves nothing a later asker would take for a result; the rooms: a test is filed
+as integration when its code, its fixtures or the test functions they call start a process, else as unit."""
 import pickle
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, made_once
+import conftest
+from conftest import ROOT, made_once, run, train
 
 ASK = """
 import sys, time
@@ -72,3 +74,30 @@ def factory(tmp_path, monkeypatch):
         def getbasetemp(self):
             return tmp_path
     return Factory()
+
+
+def _pure(x):
+    return x + 1
+
+
+def _calls_train_two_levels_down():
+    return _helper()
+
+
+def _helper():
+    return train(1, "--model", "tiny")
+
+
+def test_the_rooms_follow_a_test_into_its_helpers_lambdas_and_the_subprocess_module():
+    starts = conftest._starts_processes
+    assert not starts(_pure, set())
+    assert starts(_calls_train_two_levels_down, set())  # a helper of a helper
+    assert starts(lambda: run(["true"]), set())
+    assert starts(lambda: [subprocess.run(["true"]) for _ in range(1)], set())  # inside a comprehension's code
+    assert not starts(lambda: pickle.dumps(1), set())
+
+
+def test_the_suite_files_its_tests_in_both_rooms(request):
+    """This test runs in-process: unit (its helpers above are only referenced by other tests)."""
+    assert request.node.get_closest_marker("unit") is not None
+    assert request.node.get_closest_marker("integration") is None

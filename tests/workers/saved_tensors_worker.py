@@ -1,6 +1,6 @@
 """What the tiny model keeps for the backward of one forward with labels (the training forward):
 
-    python tests/saved_tensors_worker.py "FLAGS" ["FLAGS" ...]   # litespark-train flags of one model each
+    python tests/workers/saved_tensors_worker.py "FLAGS" ["FLAGS" ...]   # litespark-train flags of one model each
 
 Builds each model in turn in this one process and prints a JSON list, one entry per model: `layers`;
 `qkv_outputs_kept`, how many layers keep their QKV projection's output (the buffer query, key and value are split

@@ -2,7 +2,7 @@
 fused implementation (the config is read at loss time, so the same weights serve every run). Prints the largest
 differences as JSON.
 
-    python tests/loss_fusion_worker.py [litespark-train flags...]
+    python tests/workers/loss_fusion_worker.py [litespark-train flags...]
 """
 import json
 import sys

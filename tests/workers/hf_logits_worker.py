@@ -1,7 +1,7 @@
 """Load a checkpoint as litespark-train does (megatron.training's setup_model_and_optimizer, any TP/PP layout)
 and save the model's logits on given tokens, the vocabulary gathered over TP, as a torch file.
 
-    torchrun ... tests/hf_logits_worker.py TOKENS.json OUT.pt -- [litespark-train flags, e.g. --load DIR]
+    torchrun ... tests/workers/hf_logits_worker.py TOKENS.json OUT.pt -- [litespark-train flags, e.g. --load DIR]
 
 One micro-batch of all the rows, forward only, through megatron-core's pipeline schedule.
 """

@@ -1,6 +1,6 @@
 """Builds the tiny model with two specs from the same seed and prints the largest logit and gradient differences.
 
-    python tests/spec_worker.py SPEC_A SPEC_B [litespark-train flags...]
+    python tests/workers/spec_worker.py SPEC_A SPEC_B [litespark-train flags...]
 
 A SPEC may carry flags of its own after the spec's name ("litespark --core-attention te").
 """

@@ -9,7 +9,7 @@ then, on given tokens (one micro-batch, through megatron-core's pipeline schedul
        step's loss and gradient norm; the first step's gradient of every adapter parameter (after megatron-core's
        gradient finalization: the TP/SP sums), gathered whole.
 
-    torchrun ... tests/peft_worker.py TOKENS.json OUT.pt -- [litespark-train flags, with --peft ... --save DIR]
+    torchrun ... tests/workers/peft_worker.py TOKENS.json OUT.pt -- [litespark-train flags, with --peft ... --save DIR]
 
 OUT.pt (rank 0): {"identity": bool, "base_logits", "logits": [b, s, vocab], "losses", "grad_norms": [per step],
 "grads": {global parameter name: tensor}, "learning_rates": {the optimizer's parameters: (max_lr, min_lr)}}.
