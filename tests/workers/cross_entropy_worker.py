@@ -9,7 +9,6 @@ differences as one JSON line:
     and single-rank checks of what the Triton path keeps and writes (see the keys).
 """
 import json
-import os
 
 import torch
 import torch.distributed as dist

@@ -8,7 +8,6 @@ One micro-batch of all the rows, forward only, through megatron-core's pipeline 
 import json
 import os
 import sys
-from functools import partial
 
 import torch
 
