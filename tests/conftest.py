@@ -115,7 +115,7 @@ def _is_integration(item) -> bool:
     fixtures = getattr(item, "_fixtureinfo", None)
     defs = [d for ds in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in ds]
     ours = [d.func for d in defs if str(TESTS) in getattr(getattr(d.func, "__code__", None), "co_filename", "")
-            and d.argname != "_unit_tests_start_no_process"]  # the guard names subprocess to forbid it
+            and d.argname not in ("_unit_tests_start_no_process", "_imports_that_start_processes")]  # the guards
     return any(_starts_processes(f, seen) for f in [getattr(item, "function", None)] + ours)
 
 
@@ -133,6 +133,13 @@ def pytest_collection_modifyitems(config, items):
     order = {id(item): (0 if firsts[p] == i and p < len(LONGEST_FIRST) else 1, p)
              for i, (item, p) in enumerate(zip(items, places))}
     items.sort(key=lambda item: order[id(item)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _imports_that_start_processes():
+    """megatron-core runs `git rev-parse` when it is first imported (its package_info): imported here, before any
+    test, so that the check below sees the tests' own processes only, whichever test imports it first."""
+    import megatron.core  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

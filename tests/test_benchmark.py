@@ -475,6 +475,14 @@ def test_resume_keeps_what_was_measured_and_runs_the_rest(monkeypatch, tmp_path,
     ran.clear()
     changed = [a if not a.startswith("stock-graphs=") else a + " --cuda-graph-warmup-steps 2" for a in argv]
     assert benchmark.main(changed) == 0 and ran == ["stock-graphs"]
+    # so is a variant whose environment changed (its flags the same)
+    ran.clear()
+    other_env = [a.replace("stock-graphs=stock-te-bf16:", "stock-graphs=stock-te-bf16:NVTE_NORM_FWD_USE_CUDNN=1 ")
+                 for a in changed]
+    assert benchmark.main(other_env) == 0 and ran == ["stock-graphs"]
+    assert json.loads((out / "benchmark.json").read_text())["systems"][2]["env"] == {"NVTE_NORM_FWD_USE_CUDNN": "1"}
+    ran.clear()
+    assert benchmark.main(other_env) == 0 and ran == []  # the same environment again: kept
     before = (out / "benchmark.json").read_text()
     ran.clear(), capsys.readouterr()
     assert benchmark.main([a if a != "2" or i != argv.index("--steps") + 1 else "3" for i, a in enumerate(argv)]) == 2

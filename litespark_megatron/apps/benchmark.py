@@ -665,8 +665,8 @@ def report_settings(opts, args, gbs: int, candidates: List[int]) -> dict:
 
 
 def resumed_rows(out: Optional[Path], settings: dict, systems: Dict[str, System]) -> Dict[str, dict]:
-    """--resume: the systems of OUT/benchmark.json to keep (same flags; measured, or out of memory at every
-    micro-batch tried), as run_all's rows. None there yet: nothing to keep (the first call of a resumed series)."""
+    """--resume: the systems of OUT/benchmark.json to keep (same flags and environment; measured, or out of memory at
+    every micro-batch tried), as run_all's rows. None there yet: nothing to keep (the first call of a resumed series)."""
     if out is None:
         raise UserError("--resume needs --out: it continues OUT/benchmark.json")
     path = out / "benchmark.json"
@@ -684,7 +684,9 @@ def resumed_rows(out: Optional[Path], settings: dict, systems: Dict[str, System]
     kept = {}
     for e in entries:
         name = e.get("system")
-        if name in systems and e.get("flags") == list(systems[name].flags) and e.get("status") in ("ok", "oom"):
+        same = e.get("flags") == list(systems[name].flags) and e.get("env", {}) == dict(systems[name].env) \
+            if name in systems else False
+        if same and e.get("status") in ("ok", "oom"):
             tries = [dict(t, device=device) for t in e["tries"]]
             kept[name] = dict(system=name, tries=tries, chosen=choose(tries), measured=e.get("measured"))
     return kept
@@ -703,7 +705,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         name, c = row["system"], row["chosen"]
         system = systems[name]
         entry = dict(system=name, kind=system.kind, description=system.description, flags=list(system.flags),
-                     spec=spec_of(system), status=c["status"], reason=c.get("reason"),
+                     env=dict(system.env), spec=spec_of(system), status=c["status"], reason=c.get("reason"),
                      micro_batch_size=c["micro_batch_size"], global_batch_size=gbs,
                      accumulation_steps=gbs // c["micro_batch_size"], vocab_rows=system_vocab(args, system),
                      tries=[{k: v for k, v in t.items() if k != "device"} for t in row["tries"]],
@@ -1228,7 +1230,9 @@ def classify_failure(e: BaseException) -> Tuple[str, str]:
 def worker_main(spec_json: str, result_path: str) -> None:
     spec = json.loads(spec_json)
     name = spec["system"]
-    system = System(**{**spec["definition"], "flags": tuple(spec["definition"]["flags"])})
+    definition = spec["definition"]
+    system = System(**{**definition, "flags": tuple(definition["flags"]),
+                       "env": tuple(tuple(pair) for pair in definition.get("env", ()))})
     result = dict(system=name, status="failed", reason=None)
     try:
         result["device"] = _runtime_device()
