@@ -137,9 +137,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _imports_that_start_processes():
-    """megatron-core runs `git rev-parse` when it is first imported (its package_info): imported here, before any
-    test, so that the check below sees the tests' own processes only, whichever test imports it first."""
+    """Libraries that start a process when first imported (megatron-core runs `git rev-parse` for its package info;
+    torch._dynamo and peft run `ldconfig -p` through Triton's driver lookup): imported here, before any test, so that
+    the check below sees the tests' own processes only, whichever test imports them first."""
     import megatron.core  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    try:
+        import peft  # noqa: F401
+    except ImportError:  # an optional dependency (the dev extra has it)
+        pass
 
 
 @pytest.fixture(autouse=True)
