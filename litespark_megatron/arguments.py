@@ -712,12 +712,8 @@ def _check_chunked_output_loss(args, tp: int, cp: int) -> None:
 
 
 def _check_litespark_cross_entropy(args, plat) -> None:
-    """A CPU runs the kernel's plain-torch reference (as it runs every layer's); a GPU must run the kernel."""
-    from .kernels.cross_entropy import triton_available
-
-    if plat.device_type == "cuda" and not triton_available():
-        raise ConfigError("--litespark-cross-entropy on a GPU runs Triton kernels, and Triton does not import here: "
-                          "install torch's CUDA build with its triton, or drop the flag")
+    """Where a GPU runs the kernel, and nothing else computes the loss."""
+    _check_triton("--litespark-cross-entropy", plat)
     if args.cross_entropy_loss_fusion:
         raise ConfigError("--litespark-cross-entropy with --cross-entropy-loss-fusion: two cross-entropy kernels; "
                           "drop one")
@@ -728,13 +724,9 @@ def _check_litespark_cross_entropy(args, plat) -> None:
 
 def _check_litespark_rmsnorm(args, plat) -> None:
     """Where the flag has a layer to act on, and a GPU runs the kernel."""
-    from .kernels.rms_norm import triton_available
-
     if args.litespark_spec != "litespark":
         raise ConfigError("--litespark-rmsnorm builds the Litespark layer's norms; it needs --spec litespark")
-    if plat.device_type == "cuda" and not triton_available():
-        raise ConfigError("--litespark-rmsnorm on a GPU runs Triton kernels, and Triton does not import here: "
-                          "install torch's CUDA build with its triton, or drop the flag")
+    _check_triton("--litespark-rmsnorm", plat)
     if args.fp8 and args.transformer_impl == "transformer_engine":
         raise ConfigError("--litespark-rmsnorm with --fp8-format on the te backend: Transformer Engine's norm writes "
                           "the next GEMM's FP8 input itself, and Litespark's writes bf16 that TE would cast again; "
@@ -746,8 +738,6 @@ def _check_litespark_rmsnorm(args, plat) -> None:
 
 def _check_litespark_rope(args, plat) -> None:
     """Where the flag has a layer to act on, the kernel covers the model's RoPE, and a GPU runs it."""
-    from .kernels.qkv_rope import triton_available
-
     # (A TP that splits a query group over ranks, where megatron-core gathers the group's heads and the kernel would
     # see the whole group, is refused for every run already.)
     head = args.kv_channels or args.hidden_size // args.num_attention_heads
@@ -767,13 +757,21 @@ def _check_litespark_rope(args, plat) -> None:
                                      f"head; drop one"),
         (head & (head - 1) != 0, f"with a head size of {head}: the kernel takes a power of two; drop the flag"),
         (args.context_parallel_size > 1, "with --context-parallel-size > 1: not tested together yet; drop one"),
-        (plat.device_type == "cuda" and not triton_available(), "on a GPU runs Triton kernels, and Triton does not "
-                                                                "import here: install torch's CUDA build with its "
-                                                                "triton, or drop the flag"),
     )
     for refused, reason in refusals:
         if refused:
             raise ConfigError(f"--litespark-rope {reason}")
+    _check_triton("--litespark-rope", plat)
+
+
+def _check_triton(flag: str, plat) -> None:
+    """A CPU runs a kernel's plain-torch reference (as it runs every layer's); a GPU asked for a Litespark kernel
+    must run it."""
+    from .kernels import triton_available
+
+    if plat.device_type == "cuda" and not triton_available():
+        raise ConfigError(f"{flag} on a GPU runs Triton kernels, and Triton does not import here: install torch's "
+                          "CUDA build with its triton, or drop the flag")
 
 
 def _check_fp8_parameters_optimizer(args) -> None:

@@ -10,7 +10,8 @@ import torch
 from conftest import WORKER_DIR, child_env, made_once, ok, records, torchrun, train
 from test_arguments import TINY, check
 from litespark_megatron.arguments import ConfigError
-from litespark_megatron.kernels import cross_entropy as ce
+import litespark_megatron.kernels
+from litespark_megatron.kernels import cross_entropy as ce, triton_available
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_the_cpu_runs_the_reference():
     logits, target = torch.randn(3, 2, 11), torch.randint(0, 11, (3, 2))
     assert ce.cross_entropy_path("cpu") == "litespark (reference)"
     assert torch.equal(ce.cross_entropy(logits, target), ce.vocab_parallel_cross_entropy_reference(logits, target))
-    assert ce.cross_entropy_path("cuda") == ("litespark" if ce.triton_available() else "litespark (reference)")
+    assert ce.cross_entropy_path("cuda") == ("litespark" if triton_available() else "litespark (reference)")
 
 
 @pytest.mark.parametrize("fn", [ce.cross_entropy, ce.vocab_parallel_cross_entropy_reference,
@@ -184,10 +185,9 @@ def test_the_health_record_names_the_loss_that_ran():
 
 def test_a_gpu_without_triton_is_refused(monkeypatch):
     """A CPU runs the reference; a GPU asked for the kernel must run it, so a GPU without Triton is one line."""
-    from litespark_megatron.kernels import cross_entropy as kernel
     from test_arguments import GPU_TE
 
-    monkeypatch.setattr(kernel, "triton_available", lambda: False)
+    monkeypatch.setattr(litespark_megatron.kernels, "triton_available", lambda: False)
     with pytest.raises(ConfigError) as e:
         check(TINY + ["--litespark-cross-entropy", "--transformer-impl", "transformer_engine", "--bf16"], GPU_TE)
     assert str(e.value) == ("--litespark-cross-entropy on a GPU runs Triton kernels, and Triton does not import here: "

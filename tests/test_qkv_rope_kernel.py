@@ -12,7 +12,8 @@ import torch
 from conftest import child_env, made_once, ok, records, run, train
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
-from litespark_megatron.kernels import qkv_rope as qr
+import litespark_megatron.kernels
+from litespark_megatron.kernels import qkv_rope as qr, triton_available
 
 # (s, b, groups, heads per group, head size, the key's own angles): a TP shard holds whole groups, so these cover
 # TP splits too (llama-3b's 24 heads / 8 groups over TP 2: 4 groups of 3 heads).
@@ -87,7 +88,7 @@ def test_the_cpu_runs_the_reference():
     assert qr.qkv_rope_path("cpu") == "litespark (reference)"
     for got, want in zip(qr.qkv_rope(mixed, freqs, freqs, 3), qr.qkv_rope_reference(mixed, freqs, freqs, 3)):
         assert torch.equal(got, want)
-    assert qr.qkv_rope_path("cuda") == ("litespark" if qr.triton_available() else "litespark (reference)")
+    assert qr.qkv_rope_path("cuda") == ("litespark" if triton_available() else "litespark (reference)")
 
 
 MOCK = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "4",
@@ -146,7 +147,7 @@ def test_the_flag_is_refused_where_the_kernel_does_not_cover_the_model(flags, me
 
 
 def test_a_gpu_without_triton_is_refused(monkeypatch):
-    monkeypatch.setattr(qr, "triton_available", lambda: False)
+    monkeypatch.setattr(litespark_megatron.kernels, "triton_available", lambda: False)
     with pytest.raises(ConfigError) as e:
         check(TINY + ["--litespark-rope", "--spec", "litespark", "--transformer-impl", "transformer_engine",
                       "--bf16"], GPU_TE)

@@ -11,7 +11,8 @@ import torch
 from conftest import child_env, made_once, ok, records, run, train
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
-from litespark_megatron.kernels import rms_norm as rn
+import litespark_megatron.kernels
+from litespark_megatron.kernels import rms_norm as rn, triton_available
 
 # Largest differences of the Triton path from the reference in fp64, relative to the reference's largest value.
 INTERPRETED = """
@@ -62,11 +63,11 @@ def test_the_cpu_runs_the_reference():
     x, w = torch.randn(3, 2, 40), torch.rand(40)
     assert rn.rms_norm_path("cpu") == "litespark (reference)"
     assert torch.equal(rn.rms_norm(x, w, 1e-5), rn.rms_norm_reference(x, w, 1e-5))
-    assert rn.rms_norm_path("cuda") == ("litespark" if rn.triton_available() else "litespark (reference)")
+    assert rn.rms_norm_path("cuda") == ("litespark" if triton_available() else "litespark (reference)")
 
 
 def test_a_weight_of_another_size_is_refused():
-    if not rn.triton_available():
+    if not triton_available():
         pytest.skip("the Triton path needs Triton")
     with pytest.raises(ValueError, match=r"^RMSNorm: weight of shape \(39,\) for rows of 40$"):
         rn.rms_norm_triton(torch.randn(2, 40), torch.rand(39), 1e-5)
@@ -113,7 +114,7 @@ def test_the_flag_is_refused_where_it_has_no_norm_to_run(flags, plat, message):
 
 
 def test_a_gpu_without_triton_is_refused(monkeypatch):
-    monkeypatch.setattr(rn, "triton_available", lambda: False)
+    monkeypatch.setattr(litespark_megatron.kernels, "triton_available", lambda: False)
     with pytest.raises(ConfigError) as e:
         check(TINY + ["--litespark-rmsnorm", "--spec", "litespark", "--transformer-impl", "transformer_engine",
                       "--bf16"], GPU_TE)

@@ -15,3 +15,9 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def kernel_path(device_type: str) -> str:
+    """What a Litespark kernel runs on a device of this type (the run's "what ran" record): "litespark" (its Triton
+    kernels, CUDA) or "litespark (reference)" (its plain-torch reference)."""
+    return "litespark" if device_type == "cuda" and triton_available() else "litespark (reference)"

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import triton_available
+from . import kernel_path
 
 
 def _refuse_label_smoothing(label_smoothing: float) -> None:
@@ -147,10 +147,7 @@ def vocab_parallel_cross_entropy_triton(logits: torch.Tensor, target: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------- dispatch
-def cross_entropy_path(device_type: str) -> str:
-    """What `cross_entropy` runs on a device of this type: "litespark" (the Triton kernels, CUDA) or
-    "litespark (reference)" (plain torch)."""
-    return "litespark" if device_type == "cuda" and triton_available() else "litespark (reference)"
+cross_entropy_path = kernel_path  # what `cross_entropy` runs on a device of this type
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,

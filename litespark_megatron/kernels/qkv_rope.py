@@ -26,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from . import triton_available
+from . import kernel_path
 
 
 def _rotate(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -100,10 +100,7 @@ def qkv_rope_triton(mixed, q_freqs, k_freqs, heads_per_group: int):
     return _TritonQKVRoPE.apply(mixed, q_freqs, k_freqs, heads_per_group)
 
 
-def qkv_rope_path(device_type: str) -> str:
-    """What `qkv_rope` runs on a device of this type: "litespark" (the Triton kernels, CUDA) or
-    "litespark (reference)" (plain torch)."""
-    return "litespark" if device_type == "cuda" and triton_available() else "litespark (reference)"
+qkv_rope_path = kernel_path  # what `qkv_rope` runs on a device of this type
 
 
 def qkv_rope(mixed, q_freqs, k_freqs, heads_per_group: int):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_available
+from . import kernel_path
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,10 +79,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, rows_per_
     return _TritonRMSNorm.apply(x, weight, eps, rows_per_program)
 
 
-def rms_norm_path(device_type: str) -> str:
-    """What `rms_norm` runs on a device of this type: "litespark" (the Triton kernels, CUDA) or
-    "litespark (reference)" (plain torch)."""
-    return "litespark" if device_type == "cuda" and triton_available() else "litespark (reference)"
+rms_norm_path = kernel_path  # what `rms_norm` runs on a device of this type
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
