@@ -192,6 +192,16 @@ def made_once(tmp_path_factory, name: str, build):
     return pickle.loads(done.read_bytes())
 
 
+def run_interpreted(tmp_path_factory, name: str, code: str):
+    """The JSON on the last line `code` prints, run once per test run (made_once) in a fresh process under Triton's
+    interpreter: Triton reads TRITON_INTERPRET when it is first imported, so the test process cannot switch to it."""
+    def build(_):
+        proc = run([sys.executable, "-c", code], env=child_env(TRITON_INTERPRET=1))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    return made_once(tmp_path_factory, name, build)
+
+
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral
 # range: a port-0 choice, closed and handed to a child, was once taken in between by another worker's gloo (which
 # binds ephemeral ports all the time); nothing else hands out these, and no two workers share a block.

@@ -3,13 +3,11 @@ kernels equal the reference (through Triton's interpreter on the CPU, compiled o
 projection's gradient, over group sizes (MHA, GQA, MQA-like TP shards), head sizes, distinct query and key angles;
 --litespark-rope trains what megatron-core's path trains, says so, and is refused where the kernel does not cover
 the model."""
-import json
-import sys
 
 import pytest
 import torch
 
-from conftest import child_env, made_once, ok, records, run, train
+from conftest import ok, records, run_interpreted, train
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
 import litespark_megatron.kernels
@@ -50,11 +48,7 @@ print(json.dumps(worst))
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    def build(_):
-        proc = run([sys.executable, "-c", INTERPRETED], env=child_env(TRITON_INTERPRET=1))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    return made_once(tmp_path_factory, "qkv-rope-interpreted", build)
+    return run_interpreted(tmp_path_factory, "qkv-rope-interpreted", INTERPRETED)
 
 
 def test_reference_is_megatron_cores_split_and_rope():

@@ -2,13 +2,11 @@
 interpreter on the CPU, compiled on a GPU), forward and both gradients, over odd sizes, several backward programs
 and a last one with fewer rows; --litespark-rmsnorm trains what the default norm trains, says so, keeps the
 checkpoint keys, and is refused where it has nothing to act on."""
-import json
-import sys
 
 import pytest
 import torch
 
-from conftest import child_env, made_once, ok, records, run, train
+from conftest import ok, records, run_interpreted, train
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
 import litespark_megatron.kernels
@@ -44,11 +42,7 @@ print(json.dumps(worst))
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    def build(_):
-        proc = run([sys.executable, "-c", INTERPRETED], env=child_env(TRITON_INTERPRET=1))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    return made_once(tmp_path_factory, "rms-norm-interpreted", build)
+    return run_interpreted(tmp_path_factory, "rms-norm-interpreted", INTERPRETED)
 
 
 def test_triton_kernels_equal_the_reference(interpreted):
