@@ -7,10 +7,10 @@ TOKENS.json holds {"tokens": [[...], ...]}: each row is an input sequence plus i
 labels row[1:]). One process, no pipeline parallelism.
 """
 import json
-import os
 import sys
 
 import torch
+from leave_together import leave_together  # beside this script
 
 
 def main():
@@ -38,11 +38,7 @@ def main():
     with torch.no_grad():
         losses = net(inputs, positions, None, labels=labels)
     print(json.dumps({"mean_loss": float(losses.float().mean())}), flush=True)
-    # Leave without torch's process-group teardown: at interpreter exit the gloo group's threads can abort the
-    # process ("terminate called without an active exception", SIGABRT) after its work is done, which failed this
-    # test once on a loaded 2-core machine (as hf_logits_worker.py saw).
-    sys.stderr.flush()
-    os._exit(0)
+    leave_together()
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ and save the model's logits on given tokens, the vocabulary gathered over TP, as
 One micro-batch of all the rows, forward only, through megatron-core's pipeline schedule.
 """
 import json
-import os
 import sys
 
 import torch
+from leave_together import leave_together  # beside this script
 
 
 def main():
@@ -54,13 +54,7 @@ def main():
     if mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0 and \
             mpu.get_data_parallel_rank() == 0:
         torch.save(results[0]["logits"].float().cpu(), out)
-    # Leave together and without torch's process-group teardown: at interpreter exit a gloo group whose peers
-    # already closed their connections can abort a rank ("terminate called without an active exception", SIGABRT)
-    # after its work is done, which failed this test once on a loaded 2-core machine.
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_together()
 
 
 if __name__ == "__main__":
