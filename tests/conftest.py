@@ -205,23 +205,29 @@ def run_interpreted(tmp_path_factory, name: str, code: str):
 # Ports for the children's rendezvous come from a block of this xdist worker's own, below the kernel's ephemeral
 # range: a port-0 choice, closed and handed to a child, was once taken in between by another worker's gloo (which
 # binds ephemeral ports all the time); nothing else hands out these, and no two workers share a block.
-# 30 blocks below 32768: a 16-core machine runs 16 workers, whose blocks must not overlap (with 12 blocks, workers
-# 2 and 14 once bound the same port).
-PORT_BLOCK = 400
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_PORT_START = 20000 + PORT_BLOCK * ((int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0) % 30)
-_PORTS = itertools.cycle(range(_PORT_START, _PORT_START + PORT_BLOCK))
+# The 12,768 ports from 20000 to the ephemeral range split among the workers: a block each, never shared (with 12
+# blocks, workers 2 and 14 of 16 once bound the same port; with 30 fixed blocks, workers 30 and 31 of 32 shared
+# workers 0's and 1's).
+def port_block(worker: str, workers: int) -> range:
+    """The ports of xdist worker `worker` ("gw3") of `workers`."""
+    size = 12768 // max(30, workers)
+    start = 20000 + size * (int(worker[2:]) if worker[2:].isdigit() else 0)
+    return range(start, start + size)
+
+
+_BLOCK = port_block(os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+_PORTS = itertools.cycle(_BLOCK)
 
 
 def free_port() -> int:
-    for port in itertools.islice(_PORTS, PORT_BLOCK):
+    for port in itertools.islice(_PORTS, len(_BLOCK)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:  # in use (or lingering) from an earlier run: the next one
                 continue
             return port
-    raise RuntimeError(f"no free port in {_PORT_START}-{_PORT_START + PORT_BLOCK - 1}")
+    raise RuntimeError(f"no free port in {_BLOCK.start}-{_BLOCK.stop - 1}")
 
 
 # What torchrun gives its ranks: a child of the test process is not one unless a test says so (an in-process call

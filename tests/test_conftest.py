@@ -101,3 +101,16 @@ def test_the_suite_files_its_tests_in_both_rooms(request):
     """This test runs in-process: unit (its helpers above are only referenced by other tests)."""
     assert request.node.get_closest_marker("unit") is not None
     assert request.node.get_closest_marker("integration") is None
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 16, 30, 32, 48, 64])
+def test_each_worker_has_its_own_ports_below_the_ephemeral_range(workers):
+    """No two xdist workers share a rendezvous port (64 workers on a 64-core machine), and none is in the kernel's
+    ephemeral range, where gloo binds."""
+    from conftest import port_block
+
+    blocks = [port_block(f"gw{i}", workers) for i in range(workers)]
+    ports = [port for block in blocks for port in block]
+    assert len(set(ports)) == len(ports)
+    assert min(ports) >= 20000 and max(ports) < 32768
+    assert min(len(block) for block in blocks) >= 100
