@@ -122,7 +122,7 @@ def test_litespark_attention_does_not_keep_the_qkv_buffer_for_the_backward(saved
     assert r["layers"] == 4 and r["qkv_outputs_kept"] == 0, r
 
 
-# ---- every option combination builds what it built before the backends moved into spec providers ----------------
+# ---- every option combination builds the recorded layer ----------------------------------------------------------
 # tests/fixtures/litespark_layer_specs.json holds, for each combination of the grid below, the layer's submodules
 # (classes, params, the checkpoint keys map) or the ConfigError it was refused with, as the layer spec built them when
 # the fixture was recorded. After a change to the spec made on purpose, record it again:
@@ -221,3 +221,31 @@ def test_every_option_combination_builds_the_recorded_layer():
     assert list(recorded) == list(built), "the grid changed: record the fixture again"
     for combo, layer in built.items():
         assert layer == recorded[combo], f"{combo} ({' '.join(SPEC_GRID)}) builds another layer"
+
+
+@pytest.mark.parametrize("backend", ["local", "te"])
+def test_the_block_ends_in_the_providers_norm(backend):
+    """The block's final norm is the backend's norm, as every norm of its layers: Litespark's RMSNorm (local) or
+    TENorm (te), Litespark's kernel with norm "litespark". The providers are megatron-core's, extended."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from litespark_megatron.layers import LitesparkRMSNorm
+    from litespark_megatron.spec_providers import litespark_spec_provider
+    from litespark_megatron.specs import litespark_layer_spec
+
+    assert isinstance(litespark_spec_provider(backend), TESpecProvider if backend == "te" else LocalSpecProvider)
+    config = SimpleNamespace(transformer_impl="transformer_engine" if backend == "te" else "local",
+                             multi_latent_attention=False, moe_grouped_gemm=False, qk_layernorm=False,
+                             num_moe_experts=None, moe_layer_freq=1, num_layers=2, pipeline_model_parallel_layout=None)
+    with mock.patch("megatron.core.transformer.transformer_block.get_num_layers_to_build", return_value=2), \
+            mock.patch("megatron.core.transformer.transformer_layer.get_transformer_layer_offset", return_value=0), \
+            mock.patch("megatron.core.models.gpt.experimental_attention_variant_module_specs.get_moe_layer_pattern",
+                       return_value=[0, 0]):
+        assert litespark_layer_spec(config).layer_norm is (TENorm if backend == "te" else LitesparkRMSNorm)
+        kernel = litespark_layer_spec(config, norm="litespark").layer_norm
+    assert kernel.module is LitesparkRMSNorm and kernel.params == {"kernel": "litespark"}
