@@ -27,7 +27,7 @@ from .data import megatron_tokenizer as _megatron_tokenizer
 from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: callers of the parser take it from here)
 from .platform.library_gaps import escape_bare_percent_in_help
 from .presets import PRESETS, preset
-from .spec_choice import LITESPARK_SPEC, SpecChoice  # noqa: F401  (LITESPARK_SPEC: what --spec litespark holds)
+from .spec_choice import LITESPARK_SPEC, SpecChoice  # noqa: F401  (LITESPARK_SPEC: callers take it from here)
 
 DEFAULT_FLAGS = {"spec": "litespark"}
 # On a CPU-only torch: what megatron.training's defaults assume of a GPU, switched off.
