@@ -27,14 +27,13 @@ from .data import megatron_tokenizer as _megatron_tokenizer
 from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: callers of the parser take it from here)
 from .platform.library_gaps import escape_bare_percent_in_help
 from .presets import PRESETS, preset
+from .spec_choice import LITESPARK_SPEC, SpecChoice  # noqa: F401  (LITESPARK_SPEC: callers take it from here)
 
 DEFAULT_FLAGS = {"spec": "litespark"}
 # On a CPU-only torch: what megatron.training's defaults assume of a GPU, switched off.
 CPU_FLAGS = {"distributed-backend": "gloo", "transformer-impl": "local", "no-gradient-accumulation-fusion": True,
              "no-rope-fusion": True, "no-persist-layer-norm": True, "no-masked-softmax-fusion": True,
              "no-bias-dropout-fusion": True, "no-bias-swiglu-fusion": True}
-SPEC_NAMES = ("litespark", "stock", "stock-te", "stock-local")
-LITESPARK_SPEC = ["litespark_megatron.specs", "litespark_layer_spec"]  # --spec litespark as Megatron-LM's pair
 EMBEDDED_CORPORA = ("stdlib",)
 
 
@@ -271,23 +270,17 @@ def embedded_corpus_flags(name: str) -> Dict[str, object]:
 
 # --------------------------------------------------------------------------------------------- resolution
 def resolve_spec(args, user_argv: Sequence[str] = ()) -> None:
-    """--spec NAME -> what Megatron-LM's --spec means: a (module, function) pair, or None for megatron-core's own
-    layer (TE or local by --transformer-impl). A pair given by the user is kept as Megatron-LM keeps it."""
-    spec = args.spec or []
-    if len(spec) == 2:
-        args.litespark_spec = "custom"
-        return
-    if len(spec) != 1 or spec[0] not in SPEC_NAMES:
-        raise ConfigError(f"--spec {' '.join(spec)}: name one of {', '.join(SPEC_NAMES)}, or give a module and a "
-                          "function as Megatron-LM does (--spec my.module my_layer_spec)")
-    name = spec[0]
-    impl = {"stock-te": "transformer_engine", "stock-local": "local"}.get(name)
+    """--spec -> the run's SpecChoice (kept by its name, args.litespark_spec: spec_choice.py says why), and what
+    Megatron-LM's --spec means: a (module, function) pair, or None for megatron-core's own layer (TE or local by
+    --transformer-impl). A pair given by the user is kept as Megatron-LM keeps it."""
+    choice = SpecChoice.from_flag(args.spec)
+    impl = choice.transformer_impl
     if impl is not None:
         if args.transformer_impl != impl and "--transformer-impl" in user_argv:
-            raise ConfigError(f"--spec {name} means --transformer-impl {impl}, not {args.transformer_impl}")
+            raise ConfigError(f"--spec {choice.value} means --transformer-impl {impl}, not {args.transformer_impl}")
         args.transformer_impl = impl
-    args.litespark_spec = name
-    args.spec = list(LITESPARK_SPEC) if name == "litespark" else None
+    args.litespark_spec = choice.value
+    args.spec = choice.megatron_spec(args.spec)
 
 
 def world_size() -> int:
@@ -340,8 +333,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         where = "a CPU" if plat.device_type == "cpu" else "this GPU machine (pip install -e '.[te]')"
         raise ConfigError(f"--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer Engine, "
                           f"which is not importable on {where}: use --transformer-impl local")
-    if args.transformer_impl == "local" and args.litespark_spec in ("stock", "stock-local") and \
-            not args.no_persist_layer_norm:
+    spec = SpecChoice.of(args)
+    if spec.is_stock and args.transformer_impl == "local" and not args.no_persist_layer_norm:
         from megatron.core.models.gpt import gpt_layer_specs
 
         if not gpt_layer_specs.HAVE_APEX:  # megatron-core's stock local layer then norms with torch, which asserts
@@ -381,7 +374,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
     from .peft import check as check_peft
 
     check_peft(args)
-    if args.litespark_spec == "litespark":
+    if spec.is_litespark:
         llama = args.swiglu and args.normalization == "RMSNorm" and not args.add_bias_linear and \
             args.position_embedding_type in ("rope", "none")
         if not llama:
@@ -407,7 +400,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
             raise ConfigError("--multi-latent-attention with --qk-layernorm on --transformer-impl local needs "
                               "--q-lora-rank: without query compression megatron-core puts the query norm inside a "
                               "TE norm+linear, which the local modules do not have")
-    if args.litespark_spec == "stock-local" and cp > 1:
+    if spec.is_stock and args.transformer_impl == "local" and cp > 1:
         raise ConfigError("--context-parallel-size > 1: the stock local spec's attention (megatron-core's "
                           "DotProductAttention) has no context parallelism; use --spec litespark or stock-te")
     if not args.mock_data and not args.data_path and not args.train_data_path:
@@ -458,9 +451,10 @@ def _check_nsa(args, plat) -> None:
     """--attention-variant nsa: what the Litespark NSA layer and, on a GPU, fla-core's kernels can run."""
     from .layers.nsa import NSASettings, fla_available, fused_group_problem
 
-    if args.litespark_spec != "litespark":
+    spec = SpecChoice.of(args)
+    if not spec.is_litespark:
         raise ConfigError(f"--attention-variant nsa is a Litespark layer: it needs --spec litespark, not "
-                          f"{args.litespark_spec}")
+                          f"{spec.value}")
     if args.multi_latent_attention:
         raise ConfigError("--attention-variant nsa and --multi-latent-attention are two attentions: choose one")
     if args.context_parallel_size > 1:
@@ -663,16 +657,17 @@ def resolve_core_attention(args) -> None:
     if args.core_attention != "auto" and not getattr(args, "core_attention_auto", False):
         return
     args.core_attention_auto = True  # decided again if --use-checkpoint-args changes what it depends on
-    te_ring = args.litespark_spec == "litespark" and args.transformer_impl == "transformer_engine" and \
+    te_ring = SpecChoice.of(args).is_litespark and args.transformer_impl == "transformer_engine" and \
         args.context_parallel_size > 1 and args.attention_variant == "dense" and not args.multi_latent_attention
     args.core_attention = "te" if te_ring else "sdpa"
 
 
 def _check_core_attention(args, plat) -> None:
     """--core-attention te: Transformer Engine's DotProductAttention in the Litespark layer."""
-    if args.litespark_spec != "litespark":
+    spec = SpecChoice.of(args)
+    if not spec.is_litespark:
         raise ConfigError(f"--core-attention chooses the Litespark layer's attention kernel; --spec "
-                          f"{args.litespark_spec} runs its own: drop the flag or use --spec litespark")
+                          f"{spec.value} runs its own: drop the flag or use --spec litespark")
     if args.attention_variant == "nsa":
         raise ConfigError("--core-attention te with --attention-variant nsa: native sparse attention has kernels of "
                           "its own; drop one of them")
@@ -686,11 +681,10 @@ def _check_fp8_attention(args) -> None:
     if not args.fp8:
         raise ConfigError("--fp8-attention needs --fp8-format (attention joins the FP8 recipe of the GEMMs): add "
                           "--fp8-format hybrid")
-    te_attention = args.litespark_spec in ("stock", "stock-te") or \
-        (args.litespark_spec == "litespark" and args.core_attention == "te")
-    if not te_attention or args.transformer_impl != "transformer_engine":
+    spec = SpecChoice.of(args)
+    if not spec.uses_te_attention(args.transformer_impl, args.core_attention):
         raise ConfigError(f"--fp8-attention needs Transformer Engine's DotProductAttention: --spec stock-te, or "
-                          f"--spec litespark --core-attention te; --spec {args.litespark_spec}'s core attention here "
+                          f"--spec litespark --core-attention te; --spec {spec.value}'s core attention here "
                           f"has no FP8 path, so the flag would change nothing")
     if args.fp8_recipe not in ("delayed", "tensorwise", "mxfp8"):
         raise ConfigError(f"--fp8-attention with --fp8-recipe {args.fp8_recipe}: megatron-core gives FP8 attention "
@@ -724,7 +718,7 @@ def _check_litespark_cross_entropy(args, plat) -> None:
 
 def _check_litespark_rmsnorm(args, plat) -> None:
     """Where the flag has a layer to act on, and a GPU runs the kernel."""
-    if args.litespark_spec != "litespark":
+    if not SpecChoice.of(args).is_litespark:
         raise ConfigError("--litespark-rmsnorm builds the Litespark layer's norms; it needs --spec litespark")
     _check_triton("--litespark-rmsnorm", plat)
     if args.fp8 and args.transformer_impl == "transformer_engine":
@@ -742,8 +736,8 @@ def _check_litespark_rope(args, plat) -> None:
     # see the whole group, is refused for every run already.)
     head = args.kv_channels or args.hidden_size // args.num_attention_heads
     refusals = (
-        (args.litespark_spec != "litespark", "builds the Litespark attention's query, key and value; it needs "
-                                             "--spec litespark"),
+        (not SpecChoice.of(args).is_litespark, "builds the Litespark attention's query, key and value; it "
+                                               "needs --spec litespark"),
         (args.position_embedding_type != "rope", f"applies RoPE, and --position-embedding-type is "
                                                  f"{args.position_embedding_type}; drop the flag"),
         (args.multi_latent_attention, "with --multi-latent-attention: MLA splits and rotates its own latents; drop "
@@ -1007,7 +1001,7 @@ def _te_only_state(args) -> List[str]:
     the Litespark layer with --core-attention te, the default under context parallelism), which a checkpoint of
     the Litespark layer's torch SDPA attention lacks too. The linears have one on every backend."""
     state = ["decoder.final_layernorm._extra_state"]
-    if args.litespark_spec in ("stock", "stock-te") or args.core_attention == "te":
+    if SpecChoice.of(args).uses_te_attention(args.transformer_impl, args.core_attention):
         state.append("decoder.layers.self_attention.core_attention._extra_state")
     return state
 
@@ -1024,17 +1018,15 @@ def parse(argv: Sequence[str], plat) -> argparse.Namespace:
 def follow_checkpoint_args(args, checkpoints: Sequence[argparse.Namespace] = ()) -> None:
     """After Megatron-LM's --use-checkpoint-args, given the arguments of the checkpoints it read (in its order, the
     last wins): it takes the checkpoint's --spec over the command line's (a Litespark checkpoint's module/function
-    pair; a stock checkpoint saved none, which leaves the command line's), so the spec's name here (checks, the run
-    record) follows what will be built, and an automatic core attention is decided again for it. Its loader forces
+    pair; a stock checkpoint saved none, which leaves the command line's), so the run's SpecChoice (its checks, the
+    run record's name) follows what will be built, and an automatic core attention is decided again for it. Its loader forces
     the checkpoint's --apply-layernorm-1p under the name of earlier versions (apply_layernorm_1p), which
     megatron-core 0.19.2 neither stores nor builds from: that one is taken here."""
     for saved in checkpoints:
         if zero_centered_gamma(saved) is not None:
             args.layernorm_zero_centered_gamma = zero_centered_gamma(saved)
-    if args.spec == LITESPARK_SPEC:
-        args.litespark_spec = "litespark"
-    elif args.spec:
-        args.litespark_spec = "custom"
+    if args.spec:
+        args.litespark_spec = SpecChoice.of_megatron_spec(args.spec).value
     resolve_core_attention(args)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from .errors import ConfigError
 from .layers.adapters import TARGETS, AdapterSettings
+from .spec_choice import SpecChoice
 
 DEFAULT_RANK = 8  # HF peft's and LLaMA-Factory's default rank; the default alpha is twice the rank (LLaMA-Factory)
 
@@ -126,9 +127,10 @@ def check(args) -> None:
 
 
 def _check_adapters(args) -> None:
-    if args.litespark_spec != "litespark":
+    spec = SpecChoice.of(args)
+    if not spec.is_litespark:
         raise ConfigError(f"--peft {args.peft}: the adapters live in the Litespark layer; --spec "
-                          f"{args.litespark_spec} builds another: use --spec litespark (the same checkpoint keys)")
+                          f"{spec.value} builds another: use --spec litespark (the same checkpoint keys)")
     for flag, on in (("--num-experts", bool(args.num_experts)),
                      ("--multi-latent-attention", args.multi_latent_attention),
                      ("--attention-variant nsa", args.attention_variant == "nsa")):

@@ -5,13 +5,18 @@ litespark-train's `--spec litespark`) builds: the project's attention and MLP (l
 TransformerLayer, on Transformer Engine modules (`--transformer-impl transformer_engine`) or megatron-core's
 local ones (`--transformer-impl local`, runs anywhere, CPUs included). `--spec stock` is megatron-core's own layer.
 
+As megatron-core's gpt_layer_specs: the backend is a spec provider (spec_providers.py: which linear, norm and core
+attention fill each slot, and whether a norm lives inside the GEMM after it), and one layer body,
+`litespark_layer`, builds the layer from whichever provider it is given.
+
 Checkpoint keys. Litespark-local and stock-local have identical state-dict keys. The te backend (both specs) fuses
 the pre-norms into the next GEMM, so its norm weights live at `self_attention.linear_qkv.layer_norm_weight` and
-`mlp.linear_fc1.layer_norm_weight` instead of `input_layernorm.weight` and `pre_mlp_layernorm.weight`; the local
-spec declares that map (`sharded_state_dict_keys_map`), so dist_checkpointing checkpoints load across all of them.
-With MLA the fused norms are the latent norms (`self_attention.q_layernorm` / `kv_layernorm` ->
-`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`); MLA's input norm and an MoE layer's pre-MLP norm
-are separate modules on every backend.
+`mlp.linear_fc1.layer_norm_weight` instead of `input_layernorm.weight` and `pre_mlp_layernorm.weight`; a Litespark
+layer whose norms are modules of their own there (local; te with Litespark's RMSNorm or adapters) declares that map
+(`sharded_state_dict_keys_map`), so dist_checkpointing checkpoints load across all of them. With MLA the fused
+norms are the latent norms (`self_attention.q_layernorm` / `kv_layernorm` -> `linear_q_up_proj` /
+`linear_kv_up_proj.layer_norm_weight`); MLA's input norm and an MoE layer's pre-MLP norm are separate modules on
+every backend.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from .errors import ConfigError
+from .spec_providers import LitesparkSpecProvider, litespark_spec_provider
 
 LOCAL_TO_TE_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -36,19 +42,27 @@ MLA_LOCAL_TO_TE_KEYS = {
 }
 
 
-def _keys_map(multi_latent_attention: bool, moe: bool, qk_layernorm: bool = False, nsa: bool = False) -> dict:
-    """Local-backend keys -> te-backend keys, for the norms the te backend fuses in this architecture. MLA's and
-    NSA's input norm and an MoE layer's pre-MLP norm stay separate modules on te too (nothing to fuse them into, or,
-    for NSA, two linears that read the normed input); MLA's latent norms exist only with qk_layernorm."""
-    if nsa:
-        keys = {}
-    elif multi_latent_attention:
-        keys = dict(MLA_LOCAL_TO_TE_KEYS) if qk_layernorm else {}
-    else:
-        keys = {"input_layernorm.": LOCAL_TO_TE_KEYS["input_layernorm."]}
-    if not moe:
-        keys["pre_mlp_layernorm."] = LOCAL_TO_TE_KEYS["pre_mlp_layernorm."]
-    return keys
+def _refuse_unbuildable(backend: str, core_attention: str, norm: str, rope: str, multi_latent_attention: bool,
+                        nsa) -> None:
+    """The option combinations no Litespark layer is built for, each with its reason."""
+    if core_attention not in ("sdpa", "te"):
+        raise ConfigError(f"unknown Litespark core attention '{core_attention}'; choose 'sdpa' or 'te'")
+    if core_attention == "te" and backend != "te":
+        raise ConfigError("the Litespark core attention 'te' (Transformer Engine's DotProductAttention) needs the te "
+                          "backend (--transformer-impl transformer_engine)")
+    if core_attention == "te" and nsa is not None:
+        raise ConfigError("native sparse attention is its own core attention: the core attention 'te' does not "
+                          "apply to it")
+    if norm not in ("default", "litespark"):
+        raise ConfigError(f"unknown Litespark norm '{norm}'; choose 'default' or 'litespark'")
+    if rope not in ("default", "litespark"):
+        raise ConfigError(f"unknown Litespark RoPE '{rope}'; choose 'default' or 'litespark'")
+    if rope == "litespark" and (multi_latent_attention or nsa is not None):
+        raise ConfigError("Litespark's QKV split + RoPE builds the dense GQA attention's query, key and value; MLA "
+                          "and native sparse attention build their own")
+    if norm == "litespark" and multi_latent_attention:
+        raise ConfigError("Litespark's RMSNorm with multi-latent attention: MLA's latent norms stay inside TE's up "
+                          "projections")
 
 
 def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: bool = False,
@@ -81,92 +95,43 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     the linear's input; on te the norms before QKV and fc1 are then modules of their own (TENorm) before plain TE
     linears, their keys mapped to the fused ones, so the adapters see the normed input.
     """
+    _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa)
+    provider = litespark_spec_provider(backend, core_attention=core_attention, norm=norm, adapters=adapters)
+    return litespark_layer(provider, multi_latent_attention=multi_latent_attention, num_experts=num_experts,
+                           moe_grouped_gemm=moe_grouped_gemm, q_lora_rank=q_lora_rank, qk_layernorm=qk_layernorm,
+                           nsa=nsa, rope=rope)
+
+
+def litespark_layer(provider: LitesparkSpecProvider, multi_latent_attention: bool = False,
+                    num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                    q_lora_rank: Optional[int] = None, qk_layernorm: bool = False, nsa=None,
+                    rope: str = "default") -> ModuleSpec:
+    """The layer body, the same on every backend: each module comes from the provider (spec_providers.py). The
+    options as get_litespark_layer_spec's, which refuses the combinations this body is not built for."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
-    from .layers import LitesparkCoreAttention, LitesparkMLP, LitesparkRMSNorm, LitesparkSelfAttention
+    from .layers import LitesparkMLP, LitesparkSelfAttention
 
-    if core_attention not in ("sdpa", "te"):
-        raise ConfigError(f"unknown Litespark core attention '{core_attention}'; choose 'sdpa' or 'te'")
-    if core_attention == "te" and backend != "te":
-        raise ConfigError("the Litespark core attention 'te' (Transformer Engine's DotProductAttention) needs the te "
-                          "backend (--transformer-impl transformer_engine)")
-    if core_attention == "te" and nsa is not None:
-        raise ConfigError("native sparse attention is its own core attention: the core attention 'te' does not "
-                          "apply to it")
-    if norm not in ("default", "litespark"):
-        raise ConfigError(f"unknown Litespark norm '{norm}'; choose 'default' or 'litespark'")
-    if rope not in ("default", "litespark"):
-        raise ConfigError(f"unknown Litespark RoPE '{rope}'; choose 'default' or 'litespark'")
-    if rope == "litespark" and (multi_latent_attention or nsa is not None):
-        raise ConfigError("Litespark's QKV split + RoPE builds the dense GQA attention's query, key and value; MLA "
-                          "and native sparse attention build their own")
-    own_norm = norm == "litespark"  # (`norm` below is the norm module of the backend)
-    if own_norm and multi_latent_attention:
-        raise ConfigError("Litespark's RMSNorm with multi-latent attention: MLA's latent norms stay inside TE's up "
-                          "projections")
-    attend = LitesparkCoreAttention  # both backends, context parallelism included
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelLinear, TELayerNormColumnParallelLinear, TELinear, TENorm, TERowParallelLinear)
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-
-        norm = TENorm
-        fused_norm = IdentityOp  # the norm lives inside the next TELayerNormColumnParallelLinear
-        column = TEColumnParallelLinear
-        qkv = fc1 = TELayerNormColumnParallelLinear
-        proj = fc2 = TERowParallelLinear
-        # MLA: the down projections are replicated (TE 'duplicated'); the up projections carry the latent norms.
-        up_proj = TELayerNormColumnParallelLinear if qk_layernorm else TEColumnParallelLinear
-        mla_linears = dict(linear_q_proj=TEColumnParallelLinear, linear_q_down_proj=TELinear,
-                           linear_q_up_proj=up_proj, linear_kv_down_proj=TELinear, linear_kv_up_proj=up_proj,
-                           q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
-        provider = TESpecProvider()
-        keys_map = {}
-        if core_attention == "te":
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention as attend
-    elif backend == "local":
-        from megatron.core.models.backends import LocalSpecProvider
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-        norm = fused_norm = LitesparkRMSNorm
-        qkv = fc1 = column = ColumnParallelLinear
-        proj = fc2 = RowParallelLinear
-        # MLA's down projections: column-parallel, their outputs gathered by megatron-core (its local spec's choice;
-        # without TE, MLASelfAttention takes no replicated linear).
-        mla_linears = dict(linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
-                           linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
-                           linear_kv_up_proj=ColumnParallelLinear,
-                           # the query latent's norm exists only with query compression (megatron-core refuses one
-                           # that nothing would use)
-                           q_layernorm=LitesparkRMSNorm if qk_layernorm and q_lora_rank else IdentityOp,
-                           kv_layernorm=LitesparkRMSNorm if qk_layernorm else IdentityOp)
-        provider = LocalSpecProvider()
-        keys_map = _keys_map(multi_latent_attention, bool(num_experts), qk_layernorm, nsa is not None)
-    else:
-        raise ConfigError(f"unknown Litespark backend '{backend}'; choose 'local' or 'te'")
-    if own_norm:
-        norm = fused_norm = ModuleSpec(module=LitesparkRMSNorm, params={"kernel": "litespark"})
-    if backend == "te" and (own_norm or adapters):  # the norms leave TE's norm+GEMM modules: plain TE linears
-        fused_norm = norm
-        qkv = fc1 = column
-        keys_map = _keys_map(False, bool(num_experts), False, nsa is not None)
+    norm = provider.layer_norm(rms_norm=True)
+    fused = provider.fuse_layernorm_and_linear()
+    fused_norm = IdentityOp if fused else norm  # a norm inside the GEMM that follows it is no module of its own
+    # QKV and fc1: the GEMMs after the pre-norms
+    normed_linear = provider.column_parallel_layer_norm_linear() if fused else provider.column_parallel_linear()
+    column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
 
     if multi_latent_attention:
         input_norm = norm  # MLA's first GEMMs (the down projections) take no fused norm
-        attention = ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                               submodules=MLASelfAttentionSubmodules(core_attention=attend,
-                                                                     linear_proj=proj, **mla_linears))
+        attention = _mla_attention(provider, q_lora_rank, qk_layernorm)
     elif nsa is not None:
         from .layers.nsa import LitesparkNSACoreAttention, LitesparkNSASelfAttention, NSASelfAttentionSubmodules
 
-        input_norm = norm
+        input_norm = norm  # read by two linears, QKV and the gates
         attention = ModuleSpec(module=LitesparkNSASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                                submodules=NSASelfAttentionSubmodules(
-                                   linear_qkv=column, linear_gate=column, linear_proj=proj,
+                                   linear_qkv=column, linear_gate=column, linear_proj=row,
                                    core_attention=ModuleSpec(module=LitesparkNSACoreAttention,
                                                              params={"settings": nsa}),
                                    q_layernorm=IdentityOp, k_layernorm=IdentityOp))
@@ -174,15 +139,16 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
         input_norm = fused_norm
         attention = ModuleSpec(module=LitesparkSelfAttention,
                                params={"attn_mask_type": AttnMaskType.causal, "rope_kernel": rope},
-                               submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=attend,
-                                                                  linear_proj=proj, q_layernorm=IdentityOp,
+                               submodules=SelfAttentionSubmodules(linear_qkv=normed_linear,
+                                                                  core_attention=provider.core_attention(),
+                                                                  linear_proj=row, q_layernorm=IdentityOp,
                                                                   k_layernorm=IdentityOp))
     if num_experts:
         pre_mlp_norm = norm  # the router and the token dispatch sit between the norm and the expert GEMMs
         mlp = get_moe_module_spec_for_backend(provider, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     else:
         pre_mlp_norm = fused_norm
-        mlp = ModuleSpec(module=LitesparkMLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+        mlp = ModuleSpec(module=LitesparkMLP, submodules=MLPSubmodules(linear_fc1=normed_linear, linear_fc2=row))
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -193,9 +159,52 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
             pre_mlp_layernorm=pre_mlp_norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=keys_map,
+            sharded_state_dict_keys_map=_te_keys_map(provider, multi_latent_attention, qk_layernorm,
+                                                     nsa is not None, bool(num_experts)),
         ),
     )
+
+
+def _mla_attention(provider: LitesparkSpecProvider, q_lora_rank: Optional[int], qk_layernorm: bool) -> ModuleSpec:
+    """megatron-core's MLASelfAttention. Its latent norms (qk_layernorm) live inside the up projections where the
+    backend has norm+linear modules (te), as in megatron-core's own MLA specs, and are norms of their own elsewhere;
+    the query latent's norm exists only with query compression (q_lora_rank: megatron-core refuses one that
+    nothing would use)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+
+    norm_linear = provider.column_parallel_layer_norm_linear()
+    if qk_layernorm and norm_linear is not None:
+        up_proj, q_norm, kv_norm = norm_linear, IdentityOp, IdentityOp
+    else:
+        up_proj = provider.column_parallel_linear()
+        kv_norm = provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
+        q_norm = kv_norm if q_lora_rank else IdentityOp
+    down_proj = provider.mla_down_projection()
+    return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=MLASelfAttentionSubmodules(
+                          linear_q_proj=provider.column_parallel_linear(), linear_q_down_proj=down_proj,
+                          linear_q_up_proj=up_proj, linear_kv_down_proj=down_proj, linear_kv_up_proj=up_proj,
+                          core_attention=provider.core_attention(), linear_proj=provider.row_parallel_linear(),
+                          q_layernorm=q_norm, kv_layernorm=kv_norm))
+
+
+def _te_keys_map(provider: LitesparkSpecProvider, multi_latent_attention: bool, qk_layernorm: bool, nsa: bool,
+                 moe: bool) -> dict:
+    """The norms this layer holds as modules of their own where the te layer fuses them into the next GEMM: their
+    keys -> the te layer's (sharded_state_dict_keys_map), so dist_checkpointing checkpoints load across backends.
+    The te layer fuses the dense attention's input norm, MLA's latent norms (with qk_layernorm) and a dense MLP's
+    pre-norm; MLA's and NSA's input norm (nothing to fuse them into, or, for NSA, two linears that read the normed
+    input) and an MoE layer's pre-MLP norm are modules of their own on every backend."""
+    keys = {}
+    own_pre_norms = not provider.fuse_layernorm_and_linear()
+    if multi_latent_attention:
+        if qk_layernorm and provider.column_parallel_layer_norm_linear() is None:
+            keys.update(MLA_LOCAL_TO_TE_KEYS)
+    elif not nsa and own_pre_norms:
+        keys["input_layernorm."] = LOCAL_TO_TE_KEYS["input_layernorm."]
+    if not moe and own_pre_norms:
+        keys["pre_mlp_layernorm."] = LOCAL_TO_TE_KEYS["pre_mlp_layernorm."]
+    return keys
 
 
 def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None, core_attention: str = "sdpa",
@@ -217,13 +226,15 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
 
     config = getattr(model_config, "transformer", model_config)
     backend = "te" if config.transformer_impl == "transformer_engine" else "local"
+    multi_latent_attention = bool(config.multi_latent_attention)
+    _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa)
+    provider = litespark_spec_provider(backend, core_attention=core_attention, norm=norm, adapters=adapters)
 
     def layer(num_experts):
-        return get_litespark_layer_spec(backend, multi_latent_attention=bool(config.multi_latent_attention),
-                                        num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
-                                        q_lora_rank=getattr(config, "q_lora_rank", None),
-                                        qk_layernorm=bool(config.qk_layernorm), nsa=nsa,
-                                        core_attention=core_attention, norm=norm, adapters=adapters, rope=rope)
+        return litespark_layer(provider, multi_latent_attention=multi_latent_attention, num_experts=num_experts,
+                               moe_grouped_gemm=bool(config.moe_grouped_gemm),
+                               q_lora_rank=getattr(config, "q_lora_rank", None),
+                               qk_layernorm=bool(config.qk_layernorm), nsa=nsa, rope=rope)
 
     dense = layer(None)
     moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock
@@ -234,12 +245,5 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         local = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
-    from .layers import LitesparkRMSNorm
-
-    if norm == "litespark":
-        final_norm = ModuleSpec(module=LitesparkRMSNorm, params={"kernel": "litespark"})
-    elif backend == "te":
-        from megatron.core.extensions.transformer_engine import TENorm as final_norm
-    else:
-        final_norm = LitesparkRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[moe if pattern[i] else dense for i in local], layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[moe if pattern[i] else dense for i in local],
+                                      layer_norm=provider.layer_norm(rms_norm=True))

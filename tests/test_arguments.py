@@ -8,6 +8,7 @@ import pytest
 from litespark_megatron import arguments
 from litespark_megatron.arguments import PRESETS, ConfigError
 from litespark_megatron.platform import Platform
+from litespark_megatron.spec_choice import LITESPARK_SPEC, SpecChoice
 
 CPU = Platform("cpu", "gloo", False, False, "cpu")
 GPU_TE = Platform("cuda", "nccl", True, True, "NVIDIA H200")
@@ -107,6 +108,52 @@ def test_spec_names():
         resolve(["--model", "tiny", "--spec", "stock-te", "--transformer-impl", "local"], GPU_TE)
 
 
+@pytest.mark.parametrize("flags, choice, impl, megatron_spec", [
+    ([], SpecChoice.LITESPARK, "local", LITESPARK_SPEC),
+    (["--spec", "litespark"], SpecChoice.LITESPARK, "local", LITESPARK_SPEC),
+    (["--spec", "stock"], SpecChoice.STOCK, "local", None),
+    (["--spec", "stock-local"], SpecChoice.STOCK_LOCAL, "local", None),
+    (["--spec", "stock-te", "--no-rope-fusion"], SpecChoice.STOCK_TE, "transformer_engine", None),
+    (["--spec", *LITESPARK_SPEC], SpecChoice.LITESPARK, "local", LITESPARK_SPEC),
+    (["--spec", "my.module", "my_spec"], SpecChoice.CUSTOM, "local", ["my.module", "my_spec"]),
+], ids=["default", "litespark", "stock", "stock-local", "stock-te", "litespark-pair", "custom"])
+def test_every_spec_resolves_to_its_choice(flags, choice, impl, megatron_spec):
+    """--spec, a name or Megatron-LM's module and function, resolves once to a SpecChoice (kept by its name, which
+    the run record prints), the backend it means and Megatron-LM's --spec; Litespark's own pair is its layer."""
+    args = resolve(["--model", "tiny", *flags], GPU_TE if choice is SpecChoice.STOCK_TE else CPU)
+    assert SpecChoice.of(args) is choice and args.litespark_spec == choice.value
+    assert (args.transformer_impl, args.spec) == (impl, megatron_spec)
+
+
+def test_what_each_spec_choice_decides():
+    assert SpecChoice.names() == ["litespark", "stock", "stock-te", "stock-local"]
+    assert [c for c in SpecChoice if c.is_stock] == [SpecChoice.STOCK, SpecChoice.STOCK_TE, SpecChoice.STOCK_LOCAL]
+    assert [c for c in SpecChoice if c.is_litespark] == [SpecChoice.LITESPARK]
+    te = "transformer_engine"
+    assert [c for c in SpecChoice if c.uses_te_attention(te, "sdpa")] == \
+        [SpecChoice.STOCK, SpecChoice.STOCK_TE, SpecChoice.STOCK_LOCAL]  # (stock-local never runs on te)
+    assert [c for c in SpecChoice if c.uses_te_attention(te, "te")] == \
+        [SpecChoice.LITESPARK, SpecChoice.STOCK, SpecChoice.STOCK_TE, SpecChoice.STOCK_LOCAL]
+    assert not any(c.uses_te_attention("local", "te") for c in SpecChoice)
+    # names in run records and benchmark rows: the HF baselines' names no choice
+    assert SpecChoice.named("stock-te") is SpecChoice.STOCK_TE
+    assert SpecChoice.named("hf-ddp") is None and SpecChoice.named(None) is None
+
+
+def test_checkpoint_args_resolve_the_spec_choice_again():
+    """--use-checkpoint-args: the checkpoint's --spec (a module and a function; none from a stock run) decides."""
+    for saved, choice in ((list(LITESPARK_SPEC), SpecChoice.LITESPARK), (["my.module", "my_spec"], SpecChoice.CUSTOM),
+                          (None, SpecChoice.STOCK_LOCAL)):
+        args = resolve(TINY + ["--spec", "stock-local", "--no-persist-layer-norm"])
+        args.spec = saved  # what Megatron-LM's loader leaves
+        arguments.follow_checkpoint_args(args)
+        assert SpecChoice.of(args) is choice and args.litespark_spec == choice.value
+    args = resolve(TINY + ["--spec", "my.module", "my_spec"])
+    args.spec = list(LITESPARK_SPEC)
+    arguments.follow_checkpoint_args(args)
+    assert SpecChoice.of(args) is SpecChoice.LITESPARK
+
+
 def test_cpu_platform_flags_and_gpu_defaults():
     cpu = resolve(["--model", "tiny"])
     assert (cpu.distributed_backend, cpu.transformer_impl, cpu.gradient_accumulation_fusion,
@@ -142,6 +189,7 @@ def test_mla_replaces_the_presets_grouped_query_attention():
     (["--transformer-impl", "local", "--cuda-graph-impl", "transformer_engine"], 1, GPU_NO_TE, "--cuda-graph-impl transformer_engine captures with "
      "Transformer Engine's make_graphed_callables, and Transformer Engine is not importable here"),
     (["--spec", "stock-local", "--context-parallel-size", "2"], 2, CPU, "the stock local spec's attention"),
+    (["--spec", "stock", "--context-parallel-size", "2"], 2, CPU, "the stock local spec's attention"),
     (["--normalization", "LayerNorm"], 1, CPU, "--spec litespark computes a Llama layer"),
     pytest.param(["--spec", "stock-local"], 1, GPU_TE, "megatron-core's local layer without Apex uses torch's "
                  "LayerNorm, which has no persistent kernel: add --no-persist-layer-norm",

@@ -1,10 +1,14 @@
 """The Litespark layer computes the same function as megatron-core's stock Llama layer."""
+import dataclasses
+import itertools
 import json
+import os
+import warnings
 
 import pytest
 import torch
 
-from conftest import WORKER_DIR
+from conftest import TESTS, WORKER_DIR
 
 
 def _compare(py, spec_a, spec_b, *flags):
@@ -116,3 +120,132 @@ def test_litespark_attention_does_not_keep_the_qkv_buffer_for_the_backward(saved
     than TE's at llama-3b micro-batch 4, 32 MiB per layer and sequence: the pre-RoPE query and key exactly."""
     r = saved_tensors[model]
     assert r["layers"] == 4 and r["qkv_outputs_kept"] == 0, r
+
+
+# ---- every option combination builds the recorded layer ----------------------------------------------------------
+# tests/fixtures/litespark_layer_specs.json holds, for each combination of the grid below, the layer's submodules
+# (classes, params, the checkpoint keys map) or the ConfigError it was refused with, as the layer spec built them when
+# the fixture was recorded. After a change to the spec made on purpose, record it again:
+#     LITESPARK_RECORD_SPECS=1 python -m pytest tests/test_specs.py -k recorded_layer
+# and read the fixture's diff: each changed line is a combination that now builds another layer.
+SPEC_FIXTURE = TESTS / "fixtures" / "litespark_layer_specs.json"
+SPEC_GRID = dict(backend=("local", "te"), norm=("default", "litespark"), rope=("default", "litespark"),
+                 adapters=(False, True), core_attention=("sdpa", "te"),
+                 attention=("dense", "mla", "mla-qk", "mla-qk-qlora", "nsa"), mlp=("dense", "moe", "moe-grouped"))
+
+
+def _grid_options(attention: str, mlp: str) -> dict:
+    from litespark_megatron.layers.nsa import NSASettings
+
+    return {**{"dense": {}, "mla": dict(multi_latent_attention=True),
+               "mla-qk": dict(multi_latent_attention=True, qk_layernorm=True),
+               "mla-qk-qlora": dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=48),
+               "nsa": dict(nsa=NSASettings(8, 4, 8))}[attention],
+            **{"dense": {}, "moe": dict(num_experts=4),
+               "moe-grouped": dict(num_experts=4, moe_grouped_gemm=True)}[mlp]}
+
+
+def describe_spec(value) -> str:
+    """A spec as one line of text: modules by class name, their params and the submodules set, recursively."""
+    import enum
+    import functools
+    import types
+    from unittest import mock
+
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def named(items):
+        return ",".join(f"{k}={describe_spec(v)}" for k, v in items)
+
+    if isinstance(value, mock.Mock):  # without Transformer Engine, megatron-core's TE classes are mocks
+        return next(name for name, there in vars(transformer_engine).items() if there is value)
+    if isinstance(value, ModuleSpec):
+        return describe_spec(value.module) + (f"{{{named(sorted(value.params.items()))}}}" if value.params else "") \
+            + (f"({describe_spec(value.submodules)})" if value.submodules is not None else "")
+    if isinstance(value, functools.partial):
+        return f"partial:{describe_spec(value.func)}({named(sorted(value.keywords.items()))})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # the fields the spec sets
+        return named((f.name, getattr(value, f.name)) for f in dataclasses.fields(value)
+                     if f.default is dataclasses.MISSING or getattr(value, f.name) is not f.default)
+    if isinstance(value, dict):
+        return f"{{{named(sorted(value.items()))}}}"
+    if isinstance(value, (type, types.FunctionType)):
+        return value.__qualname__
+    if isinstance(value, enum.Enum):
+        return value.name
+    return repr(value)
+
+
+def describe_layer(backend: str, **options) -> str:
+    """get_litespark_layer_spec's layer, or its refusal, as one line. An MoE layer's MLP is megatron-core's MoE spec
+    of the backend (the experts Transformer Engine runs depend on its version), and named as that when it is."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    from litespark_megatron.errors import ConfigError
+    from litespark_megatron.specs import get_litespark_layer_spec
+
+    try:
+        layer = get_litespark_layer_spec(backend, **options).submodules
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+    if options.get("num_experts"):
+        if backend == "te":
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider as stock
+        else:
+            stock = LocalSpecProvider
+        moe = get_moe_module_spec_for_backend(stock(), num_experts=options["num_experts"],
+                                              moe_grouped_gemm=options.get("moe_grouped_gemm", False))
+        if describe_spec(layer.mlp) == describe_spec(moe):
+            grouped = ", grouped GEMM" if options.get("moe_grouped_gemm") else ""
+            layer = dataclasses.replace(layer, mlp=f"megatron-core's MoE spec ({backend}{grouped})")
+    return describe_spec(layer)
+
+
+def test_every_option_combination_builds_the_recorded_layer():
+    """The option grid: backend x norm x RoPE x adapters x core attention x attention (GQA, MLA with and without
+    latent norms and query compression, NSA) x MLP (dense, MoE with and without grouped GEMM), refusals included.
+    Each combination builds the layer the fixture recorded (its modules, their params, its checkpoint keys map)."""
+    built = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's MoE spec warns about the missing Transformer Engine
+        for combo in itertools.product(*SPEC_GRID.values()):
+            c = dict(zip(SPEC_GRID, combo))
+            built[" ".join(map(str, combo))] = describe_layer(
+                c["backend"], norm=c["norm"], rope=c["rope"], adapters=c["adapters"],
+                core_attention=c["core_attention"], **_grid_options(c["attention"], c["mlp"]))
+    if os.environ.get("LITESPARK_RECORD_SPECS") == "1":
+        SPEC_FIXTURE.write_text(json.dumps(built, indent=0) + "\n")
+    recorded = json.loads(SPEC_FIXTURE.read_text())
+    assert list(recorded) == list(built), "the grid changed: record the fixture again"
+    for combo, layer in built.items():
+        assert layer == recorded[combo], f"{combo} ({' '.join(SPEC_GRID)}) builds another layer"
+
+
+@pytest.mark.parametrize("backend", ["local", "te"])
+def test_the_block_ends_in_the_providers_norm(backend):
+    """The block's final norm is the backend's norm, as every norm of its layers: Litespark's RMSNorm (local) or
+    TENorm (te), Litespark's kernel with norm "litespark". The providers are megatron-core's, extended."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from litespark_megatron.layers import LitesparkRMSNorm
+    from litespark_megatron.spec_providers import litespark_spec_provider
+    from litespark_megatron.specs import litespark_layer_spec
+
+    assert isinstance(litespark_spec_provider(backend), TESpecProvider if backend == "te" else LocalSpecProvider)
+    config = SimpleNamespace(transformer_impl="transformer_engine" if backend == "te" else "local",
+                             multi_latent_attention=False, moe_grouped_gemm=False, qk_layernorm=False,
+                             num_moe_experts=None, moe_layer_freq=1, num_layers=2, pipeline_model_parallel_layout=None)
+    with mock.patch("megatron.core.transformer.transformer_block.get_num_layers_to_build", return_value=2), \
+            mock.patch("megatron.core.transformer.transformer_layer.get_transformer_layer_offset", return_value=0), \
+            mock.patch("megatron.core.models.gpt.experimental_attention_variant_module_specs.get_moe_layer_pattern",
+                       return_value=[0, 0]):
+        assert litespark_layer_spec(config).layer_norm is (TENorm if backend == "te" else LitesparkRMSNorm)
+        kernel = litespark_layer_spec(config, norm="litespark").layer_norm
+    assert kernel.module is LitesparkRMSNorm and kernel.params == {"kernel": "litespark"}

@@ -71,6 +71,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .. import backend_probe
 from ..arguments import resolve_quietly
 from ..errors import ConfigError, UserError
+from ..spec_choice import SpecChoice
 from .hf_model import build_hf_llama, hf_adamw, token_batches
 
 BASELINE = "hf-eager"
@@ -369,7 +370,8 @@ def best_stock_rows(rows: Dict[str, dict]) -> Dict[str, Optional[str]]:
     Litespark is compared with this row, not with the default stock row."""
     best: Dict[str, Optional[str]] = {}
     for name, r in rows.items():
-        if r["status"] != "ok" or not (r.get("spec") or "").startswith("stock"):
+        spec = SpecChoice.named(r.get("spec"))
+        if r["status"] != "ok" or not (spec and spec.is_stock):
             continue
         cls = precision_class(r["precision"])
         best.setdefault(cls, None)

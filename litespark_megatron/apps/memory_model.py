@@ -42,6 +42,7 @@ from typing import List, Optional
 
 from ..errors import UserError
 from ..metrics.flops import ModelShape
+from ..spec_choice import SpecChoice
 from .scaling_estimate import stage_layers, stage_parameters
 
 GIB = 2 ** 30
@@ -283,6 +284,5 @@ def setup_from_args(args, world_size: int) -> MemorySetup:
         distributed_optimizer=bool(args.use_distributed_optimizer), recompute=args.recompute_granularity,
         recompute_method=args.recompute_method or "uniform", recompute_num_layers=args.recompute_num_layers or 1,
         cross_entropy=loss, chunked_output_loss=args.chunked_output_loss or 1,
-        all_gather_cp=cp > 1 and getattr(args, "litespark_spec", "litespark") == "litespark"
-        and args.core_attention == "sdpa",
+        all_gather_cp=cp > 1 and SpecChoice.of(args).is_litespark and args.core_attention == "sdpa",
         cuda_graphs=getattr(args, "cuda_graph_impl", "none") not in (None, "none"))
