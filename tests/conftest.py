@@ -138,9 +138,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _imports_that_start_processes():
     """Libraries that start a process when first imported (megatron-core runs `git rev-parse` for its package info;
-    torch._dynamo and peft run `ldconfig -p` through Triton's driver lookup): imported here, before any test, so that
-    the check below sees the tests' own processes only, whichever test imports them first."""
+    torch._dynamo and peft run `ldconfig -p` through Triton's driver lookup; megatron.training, where cuda-python is
+    installed (GPU machines), runs `ldconfig -p` through cuda.core's library finder): imported here, before any test,
+    so that the check below sees the tests' own processes only, whichever test imports them first."""
     import megatron.core  # noqa: F401
+    import megatron.training  # noqa: F401
     import torch._dynamo  # noqa: F401
     try:
         import peft  # noqa: F401
