@@ -53,6 +53,13 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="train on a corpus every machine has offline: 'stdlib', the Python standard library's "
                         "source with a byte-level BPE trained on it (prepared once, cached under $LITESPARK_CACHE); "
                         "it sets --data-path and the tokenizer")
+    g.add_argument("--sft-data", default=None, metavar="FILE.jsonl",
+                   help="supervised fine-tuning: train on these JSONL rows, {\"prompt\": str, \"response\": str} or "
+                        "{\"messages\": [{\"role\": str, \"content\": str}, ...]}, one right-padded example per "
+                        "sequence, the loss on the response (the assistant turns) alone; the text tokenizer "
+                        "(--tokenizer-model) formats them with its chat template where it has one (sft_data.py)")
+    g.add_argument("--sft-valid-data", default=None, metavar="FILE.jsonl",
+                   help="the validation rows of --sft-data, in its format (without it: no validation, --eval-iters 0)")
     g.add_argument("--metrics-file", default=None,
                    help="one JSON record per log interval, evaluation and run (default: metrics.jsonl in --save, "
                         "else beside --tensorboard-dir)")
@@ -410,9 +417,11 @@ def check(args, plat, world: Optional[int] = None) -> None:
     if args.litespark_spec == "stock-local" and cp > 1:
         raise ConfigError("--context-parallel-size > 1: the stock local spec's attention (megatron-core's "
                           "DotProductAttention) has no context parallelism; use --spec litespark or stock-te")
-    if not args.mock_data and not args.data_path and not args.train_data_path:
+    if args.sft_data or args.sft_valid_data:
+        _check_sft(args)
+    elif not args.mock_data and not args.data_path and not args.train_data_path:
         raise ConfigError("no data: give --data-path (an indexed dataset; tools/preprocess_data.py makes one), "
-                          "--embedded-corpus stdlib, or --mock-data")
+                          "--embedded-corpus stdlib, --sft-data FILE.jsonl, or --mock-data")
     default_tokenizer(args)
     if args.tokenizer_type is None:
         raise ConfigError("no --tokenizer-type: the data's tokenizer, e.g. HuggingFaceTokenizer --tokenizer-model "
@@ -452,6 +461,40 @@ def check(args, plat, world: Optional[int] = None) -> None:
     from .legacy_checkpoint import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
+
+
+def _check_sft(args) -> None:
+    """--sft-data: what an SFT run reads (its rows alone) and what of megatron.training's data options it leaves
+    out. The rows themselves are read by the run (sft_data.prepare)."""
+    if not args.sft_data:
+        raise ConfigError("--sft-valid-data needs --sft-data, the training rows")
+    other = [flag for flag, given in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
+                                      ("--valid-data-path", args.valid_data_path),
+                                      ("--test-data-path", args.test_data_path), ("--mock-data", args.mock_data),
+                                      ("--embedded-corpus", args.embedded_corpus)) if given]
+    if other:
+        raise ConfigError(f"--sft-data trains on its JSONL rows alone, not on {other[0]}: drop {other[0]} (pretrain "
+                          "first, then fine-tune the checkpoint: --peft-base, or --load with --finetune)")
+    if args.sft:
+        raise ConfigError("--sft is megatron.training's packed SFT (its own JSONL reader, Transformer Engine's "
+                          "attention on a GPU); --sft-data is litespark-train's (one example per sequence, any "
+                          "attention, the CPU too): give one of them")
+    if not args.tokenizer_model:
+        raise ConfigError("--sft-data is text and needs the text tokenizer: give --tokenizer-model (a tokenizer "
+                          "directory or tokenizer.json), with --tokenizer-type HuggingFaceTokenizer, or NullTokenizer "
+                          "and the model's --vocab-size")
+    packed = [flag for flag, given in (("--reset-position-ids", args.reset_position_ids),
+                                       ("--reset-attention-mask", args.reset_attention_mask),
+                                       ("--eod-mask-loss", args.eod_mask_loss)) if given]
+    if packed:
+        raise ConfigError(f"{packed[0]} is for documents packed into sequences; --sft-data puts one example in a "
+                          "sequence and masks its prompt and padding itself: drop it")
+    if args.dataloader_type not in (None, "single"):
+        raise ConfigError(f"--dataloader-type {args.dataloader_type} with --sft-data: the SFT dataset shuffles its "
+                          "rows every epoch itself and megatron.training reads it in order (single, the default)")
+    if not args.sft_valid_data and args.eval_iters and not args.skip_train:
+        raise ConfigError(f"--eval-iters {args.eval_iters} but no --sft-valid-data: give the validation rows, or "
+                          "--eval-iters 0 to train without validation")
 
 
 def _check_nsa(args, plat) -> None:

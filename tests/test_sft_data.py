@@ -10,6 +10,7 @@ import torch
 
 from litespark_megatron import sft_data
 from litespark_megatron.data import DataError
+from litespark_megatron.errors import UserError
 
 WORDS = ["<|endoftext|>", "a", "b", "c", "d", "e", "f", "g", "user:", "assistant:", "system:"]
 ID = {w: i for i, w in enumerate(WORDS)}
@@ -208,3 +209,50 @@ def test_no_text_tokenizer_is_one_line(tmp_path):
     with pytest.raises(DataError) as e:
         sft_data.text_format(run_args(None, tokenizer_model=None, tokenizer_type="NullTokenizer"))
     assert str(e.value).startswith("--sft-data is text and needs the text tokenizer: give --tokenizer-model")
+
+
+# --------------------------------------------------------------------------------------------- the flags
+SFT_RUN = ["--model", "tiny", "--lr", "1e-3", "--micro-batch-size", "2", "--train-iters", "2", "--eval-interval",
+           "10", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--tokenizer-model", "tok/",
+           "--sft-data", "train.jsonl"]
+
+
+def checked(argv):
+    from litespark_megatron import arguments
+    from litespark_megatron.platform import Platform
+
+    plat = Platform("cpu", "gloo", False, False, "cpu")
+    args = arguments.resolve(argv, plat)
+    arguments.check(args, plat)
+    return args
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sft-valid-data", "v.jsonl", "--data-path", "corpus"],
+     "--sft-data trains on its JSONL rows alone, not on --data-path: drop --data-path (pretrain first, then "
+     "fine-tune the checkpoint: --peft-base, or --load with --finetune)"),
+    (["--sft-valid-data", "v.jsonl", "--mock-data"], "--sft-data trains on its JSONL rows alone, not on --mock-data"),
+    (["--sft-valid-data", "v.jsonl", "--embedded-corpus", "stdlib"],
+     "--sft-data trains on its JSONL rows alone, not on --data-path"),
+    (["--sft-valid-data", "v.jsonl", "--sft"], "--sft is megatron.training's packed SFT"),
+    (["--sft-valid-data", "v.jsonl", "--eod-mask-loss"], "--eod-mask-loss is for documents packed into sequences; "
+                                                         "--sft-data puts one example in a sequence"),
+    (["--sft-valid-data", "v.jsonl", "--dataloader-type", "cyclic"], "--dataloader-type cyclic with --sft-data"),
+    ([], "--eval-iters 100 but no --sft-valid-data: give the validation rows, or --eval-iters 0"),
+], ids=["data-path", "mock-data", "embedded-corpus", "megatron-sft", "eod-mask-loss", "cyclic", "no-validation"])
+def test_a_bad_flag_combination_is_one_line(flags, message):
+    with pytest.raises(UserError) as e:
+        checked(SFT_RUN + flags)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_the_sft_flags_pass_and_need_their_pieces():
+    from litespark_megatron.arguments import ConfigError
+
+    checked(SFT_RUN + ["--sft-valid-data", "v.jsonl"])
+    checked(SFT_RUN + ["--eval-iters", "0"])
+    with pytest.raises(ConfigError, match="^--sft-valid-data needs --sft-data, the training rows$"):
+        checked(SFT_RUN[:-2] + ["--sft-valid-data", "v.jsonl", "--eval-iters", "0"])
+    no_text_tokenizer = [f for f in SFT_RUN if f not in ("--tokenizer-model", "tok/")]
+    with pytest.raises(ConfigError, match="^--sft-data is text and needs the text tokenizer: give --tokenizer-model"):
+        checked(no_text_tokenizer + ["--eval-iters", "0"])
