@@ -7,6 +7,7 @@ A run's argv is expanded into Megatron-LM flags before megatron.training parses 
     --model PRESET                 a preset is data: the Megatron-LM flags of a Llama shape
     --config FILE.yaml             keys are flag names, values typed exactly as on the command line
     --embedded-corpus stdlib       the prepared corpus as --data-path and tokenizer flags
+    --embedded-sft stdlib          the prepared SFT set as --sft-data, --sft-valid-data and tokenizer flags
     the command line itself
 
 so a preset or a file is nothing but flags, and the command line overrides them. Litespark's own flags
@@ -36,6 +37,7 @@ CPU_FLAGS = {"distributed-backend": "gloo", "transformer-impl": "local", "no-gra
 SPEC_NAMES = ("litespark", "stock", "stock-te", "stock-local")
 LITESPARK_SPEC = ["litespark_megatron.specs", "litespark_layer_spec"]  # --spec litespark as Megatron-LM's pair
 EMBEDDED_CORPORA = ("stdlib",)
+EMBEDDED_SFT_SETS = ("stdlib",)  # stdlib_sft.EMBEDDED_SFT_SETS, without importing the corpus code to parse a flag
 
 
 # --------------------------------------------------------------------------------------------- the parser
@@ -53,6 +55,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="train on a corpus every machine has offline: 'stdlib', the Python standard library's "
                         "source with a byte-level BPE trained on it (prepared once, cached under $LITESPARK_CACHE); "
                         "it sets --data-path and the tokenizer")
+    g.add_argument("--embedded-sft", default=None, choices=EMBEDDED_SFT_SETS,
+                   help="fine-tune on a set every machine has offline: 'stdlib', the Python standard library's "
+                        "functions, the signature and docstring as the prompt and the body as the response, held-out "
+                        "files for validation (built once, cached under $LITESPARK_CACHE); it sets --sft-data, "
+                        "--sft-valid-data and the embedded corpus's tokenizer")
     g.add_argument("--sft-data", default=None, metavar="FILE.jsonl",
                    help="supervised fine-tuning: train on these JSONL rows, {\"prompt\": str, \"response\": str} or "
                         "{\"messages\": [{\"role\": str, \"content\": str}, ...]}, one right-padded example per "
@@ -231,7 +238,7 @@ def load_config_file(path: str) -> Dict[str, object]:
 
 def _pre_parse(argv: Sequence[str]):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name in ("--model", "--config", "--embedded-corpus"):
+    for name in ("--model", "--config", "--embedded-corpus", "--embedded-sft"):
         pre.add_argument(name)
     known, _ = pre.parse_known_args(list(argv))
     return known
@@ -259,6 +266,9 @@ def expand(argv: Sequence[str], cpu: bool) -> List[str]:
     corpus = known.embedded_corpus or file_flags.get("embedded-corpus") or file_flags.get("embedded_corpus")
     if corpus is not None:
         tokens += as_flags(embedded_corpus_flags(corpus), f"--embedded-corpus {corpus}")
+    sft = known.embedded_sft or file_flags.get("embedded-sft") or file_flags.get("embedded_sft")
+    if sft is not None:
+        tokens += as_flags(embedded_sft_flags(sft), f"--embedded-sft {sft}")
     return tokens + list(argv)
 
 
@@ -274,6 +284,18 @@ def embedded_corpus_flags(name: str) -> Dict[str, object]:
     # --sample-prompt and the end-of-run summary.
     return {"data-path": [prefix], "tokenizer-type": "NullTokenizer", "vocab-size": vocab_size,
             "tokenizer-model": tokenizer_dir}
+
+
+def embedded_sft_flags(name: str) -> Dict[str, object]:
+    """The embedded SFT set's flags: its rows and the embedded corpus's tokenizer, built or not (the run builds them:
+    stdlib_sft.prepare_embedded_sft)."""
+    if name not in EMBEDDED_SFT_SETS:
+        raise ConfigError(f"unknown --embedded-sft '{name}'; choose one of: {', '.join(EMBEDDED_SFT_SETS)}")
+    from .stdlib_sft import stdlib_sft_layout
+
+    layout = stdlib_sft_layout()
+    return {"sft-data": layout["train"], "sft-valid-data": layout["valid"], "tokenizer-type": "NullTokenizer",
+            "vocab-size": layout["vocab_size"], "tokenizer-model": layout["tokenizer_dir"]}
 
 
 # --------------------------------------------------------------------------------------------- resolution
@@ -468,10 +490,11 @@ def _check_sft(args) -> None:
     out. The rows themselves are read by the run (sft_data.prepare)."""
     if not args.sft_data:
         raise ConfigError("--sft-valid-data needs --sft-data, the training rows")
-    other = [flag for flag, given in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
+    other = [flag for flag, given in (("--embedded-corpus", args.embedded_corpus), ("--data-path", args.data_path),
+                                      ("--train-data-path", args.train_data_path),
                                       ("--valid-data-path", args.valid_data_path),
-                                      ("--test-data-path", args.test_data_path), ("--mock-data", args.mock_data),
-                                      ("--embedded-corpus", args.embedded_corpus)) if given]
+                                      ("--test-data-path", args.test_data_path),
+                                      ("--mock-data", args.mock_data)) if given]
     if other:
         raise ConfigError(f"--sft-data trains on its JSONL rows alone, not on {other[0]}: drop {other[0]} (pretrain "
                           "first, then fine-tune the checkpoint: --peft-base, or --load with --finetune)")

@@ -7,6 +7,7 @@ to it (the forward step, the loss with its checks, the datasets provider) and th
     main(argv) -> platform.prepare_libraries     the package of every library patch (CPU shims, 5 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
                -> corpus.prepare_embedded_corpus --embedded-corpus: the corpus built (once, cached)
+               -> stdlib_sft.prepare_embedded_sft --embedded-sft: the SFT set built (once, cached)
                -> data.check                     data and tokenizer checked before any process group
                -> sft_data.prepare               --sft-data: every row read and tokenized (a bad row: one line)
                -> checkpoint_dir.lock / clean    --save held by this run alone; refused if its saves would
@@ -239,12 +240,13 @@ def prepare(argv):
     megatron.training's global state (get_args(), TensorBoard). Raises UserError with one line."""
     from megatron.training.global_vars import set_global_variables
 
-    from . import checkpoint_dir, corpus, data, sft_data
+    from . import checkpoint_dir, corpus, data, sft_data, stdlib_sft
 
     platform.quiet_library_noise()
     plat = platform.prepare_libraries()
     args = arguments.parse_checked(argv, plat)
     corpus.prepare_embedded_corpus(args)
+    stdlib_sft.prepare_embedded_sft(args)
     data.check(args)
     sft_data.prepare(args)
     checkpoint_dir.lock(args)

@@ -421,7 +421,7 @@ def datasets(args, num_samples: Sequence[Optional[int]], built_here: bool):
 
     if not built_here:
         return None, None, None
-    seed = args.seed if args.data_seed is None else args.data_seed
+    seed = _seed(args)
     built = []
     for split, samples in ((Split.train, num_samples[0]), (Split.valid, num_samples[1])):
         examples = prepared(args, split.name)
@@ -429,3 +429,21 @@ def datasets(args, num_samples: Sequence[Optional[int]], built_here: bool):
                      SFTDataset(examples, samples, seed, args.seq_length, split,
                                 args.create_attention_mask_in_dataloader))
     return built[0], built[1], None
+
+
+def _seed(args) -> int:
+    return args.seed if args.data_seed is None else args.data_seed
+
+
+def train_input_tokens(args) -> Optional[np.ndarray]:
+    """With --sft-data: the non-padding input tokens of the training samples, summed from the first sample on
+    ([0, t0, t0 + t1, ...]), in the order megatron.training reads them (its sampler takes the samples in order);
+    telemetry's tokens/s counts these. None without --sft-data."""
+    from megatron.core.datasets.utils import Split
+
+    examples = prepared(args, "train")
+    if examples is None:
+        return None
+    num_samples = args.train_samples or args.train_iters * args.global_batch_size
+    order = sample_order(len(examples), num_samples, _seed(args), Split.train.value)
+    return np.concatenate([[0], np.cumsum(examples.input_tokens(args.seq_length)[order])])

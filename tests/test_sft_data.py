@@ -233,7 +233,7 @@ def checked(argv):
      "fine-tune the checkpoint: --peft-base, or --load with --finetune)"),
     (["--sft-valid-data", "v.jsonl", "--mock-data"], "--sft-data trains on its JSONL rows alone, not on --mock-data"),
     (["--sft-valid-data", "v.jsonl", "--embedded-corpus", "stdlib"],
-     "--sft-data trains on its JSONL rows alone, not on --data-path"),
+     "--sft-data trains on its JSONL rows alone, not on --embedded-corpus"),
     (["--sft-valid-data", "v.jsonl", "--sft"], "--sft is megatron.training's packed SFT"),
     (["--sft-valid-data", "v.jsonl", "--eod-mask-loss"], "--eod-mask-loss is for documents packed into sequences; "
                                                          "--sft-data puts one example in a sequence"),

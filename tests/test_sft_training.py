@@ -48,6 +48,19 @@ def test_an_sft_run_learns_its_responses_and_is_validated(rows, tmp_path):
     assert len(losses) == 6 and losses[-1] < 0.6 * losses[0], losses
     val = records(metrics, "val")
     assert [r["step"] for r in val][:2] == [15, 30] and val[1]["loss"] < val[0]["loss"], val
+    # tokens/s counts the samples' example tokens, not their padding: the sum over the sample order
+    from litespark_megatron import sft_data
+    from litespark_megatron.arguments import resolve_quietly
+
+    args = resolve_quietly([str(f) for f in flags(rows, rows[2], "--lr", "3e-3", "--train-iters", "30")])
+    sft_data.prepare(args)
+    summed = sft_data.train_input_tokens(args)
+    train_records = records(metrics, "train")
+    assert [r["tokens_seen"] for r in train_records] == [int(summed[r["consumed_samples"]]) for r in train_records]
+    assert train_records[-1]["tokens_seen"] < 240 * 32 / 2  # the sequences are mostly padding
+    for before, record in zip(train_records, train_records[1:]):
+        interval = record["tokens_per_sec"] * record["step_time_s"] * record["steps"]
+        assert interval == pytest.approx(record["tokens_seen"] - before["tokens_seen"], rel=1e-6)
 
 
 @pytest.fixture(scope="module")
