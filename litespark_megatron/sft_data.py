@@ -242,6 +242,9 @@ def text_format(args):
         raise DataError("--sft-data is text and needs the text tokenizer: give --tokenizer-model (a tokenizer "
                         "directory or tokenizer.json; with --tokenizer-type NullTokenizer it is the text tokenizer "
                         "of a model of --vocab-size ids)")
+    if not os.path.exists(args.tokenizer_model):
+        raise DataError(f"--tokenizer-model {args.tokenizer_model}: no such file or directory (the text tokenizer of "
+                        "--sft-data: a tokenizer directory or tokenizer.json; nothing is downloaded)")
     if chat_template_of(args.tokenizer_model) is None:
         ttype = None if args.tokenizer_type == "NullTokenizer" else args.tokenizer_type
         return PlainFormat(load_tokenizer(ttype, args.tokenizer_model, args.vocab_size))

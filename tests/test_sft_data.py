@@ -209,6 +209,10 @@ def test_no_text_tokenizer_is_one_line(tmp_path):
     with pytest.raises(DataError) as e:
         sft_data.text_format(run_args(None, tokenizer_model=None, tokenizer_type="NullTokenizer"))
     assert str(e.value).startswith("--sft-data is text and needs the text tokenizer: give --tokenizer-model")
+    with pytest.raises(DataError) as e:
+        sft_data.text_format(run_args(tmp_path / "nowhere", tokenizer_type="NullTokenizer"))
+    assert str(e.value) == (f"--tokenizer-model {tmp_path}/nowhere: no such file or directory (the text tokenizer of "
+                            "--sft-data: a tokenizer directory or tokenizer.json; nothing is downloaded)")
 
 
 # --------------------------------------------------------------------------------------------- the flags
@@ -256,3 +260,26 @@ def test_the_sft_flags_pass_and_need_their_pieces():
     no_text_tokenizer = [f for f in SFT_RUN if f not in ("--tokenizer-model", "tok/")]
     with pytest.raises(ConfigError, match="^--sft-data is text and needs the text tokenizer: give --tokenizer-model"):
         checked(no_text_tokenizer + ["--eval-iters", "0"])
+
+
+def test_a_token_id_beyond_the_models_vocabulary_is_one_line(tmp_path):
+    """The text tokenizer gives ids the model's embedding must hold: the words' ids run to 7 (g); a model of 5 ids
+    is refused before training, not an IndexError in the first step."""
+    from litespark_megatron.arguments import resolve_quietly
+
+    word_tokenizer(tmp_path / "tok")
+    rows = write_rows(tmp_path / "rows.jsonl", {"prompt": "a b", "response": "c"}, {"prompt": "d", "response": "g"})
+    base = ["--model", "tiny", "--seq-length", "8", "--tokenizer-type", "NullTokenizer", "--tokenizer-model",
+            str(tmp_path / "tok"), "--sft-data", rows]
+    args = resolve_quietly(base + ["--vocab-size", "5"])
+    with pytest.raises(DataError) as e:
+        sft_data.prepare(args)
+    vocab = sft_data.megatron_tokenizer(args)[0].vocab_size
+    assert str(e.value) == (f"--sft-data {rows}: the tokenizer gives token id 7, but the model has {vocab} ids (0 to "
+                            f"{vocab - 1}): give the tokenizer's vocabulary (for NullTokenizer, --vocab-size above 7)")
+    args = resolve_quietly(base + ["--vocab-size", "64"])
+    sft_data.prepare(args)
+    assert len(sft_data.prepared(args, "train")) == 2 and sft_data.prepared(args, "valid") is None
+    args.train_iters, args.global_batch_size = 1, 2  # one epoch: both rows
+    summed = sft_data.train_input_tokens(args)
+    assert summed.tolist() in ([0, 4, 7], [0, 3, 7])  # a b c EOD and d g EOD, in the epoch's order
