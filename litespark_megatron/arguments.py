@@ -7,6 +7,7 @@ A run's argv is expanded into Megatron-LM flags before megatron.training parses 
     --model PRESET                 a preset is data: the Megatron-LM flags of a Llama shape
     --config FILE.yaml             keys are flag names, values typed exactly as on the command line
     --embedded-corpus stdlib       the prepared corpus as --data-path and tokenizer flags
+    --embedded-sft stdlib          the prepared SFT set as --sft-data, --sft-valid-data and tokenizer flags
     the command line itself
 
 so a preset or a file is nothing but flags, and the command line overrides them. Litespark's own flags
@@ -35,6 +36,7 @@ CPU_FLAGS = {"distributed-backend": "gloo", "transformer-impl": "local", "no-gra
              "no-rope-fusion": True, "no-persist-layer-norm": True, "no-masked-softmax-fusion": True,
              "no-bias-dropout-fusion": True, "no-bias-swiglu-fusion": True}
 EMBEDDED_CORPORA = ("stdlib",)
+EMBEDDED_SFT_SETS = ("stdlib",)  # stdlib_sft.EMBEDDED_SFT_SETS, without importing the corpus code to parse a flag
 
 
 # --------------------------------------------------------------------------------------------- the parser
@@ -52,6 +54,18 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="train on a corpus every machine has offline: 'stdlib', the Python standard library's "
                         "source with a byte-level BPE trained on it (prepared once, cached under $LITESPARK_CACHE); "
                         "it sets --data-path and the tokenizer")
+    g.add_argument("--embedded-sft", default=None, choices=EMBEDDED_SFT_SETS,
+                   help="fine-tune on a set every machine has offline: 'stdlib', the Python standard library's "
+                        "functions, the signature and docstring as the prompt and the body as the response, held-out "
+                        "files for validation (built once, cached under $LITESPARK_CACHE); it sets --sft-data, "
+                        "--sft-valid-data and the embedded corpus's tokenizer")
+    g.add_argument("--sft-data", default=None, metavar="FILE.jsonl",
+                   help="supervised fine-tuning: train on these JSONL rows, {\"prompt\": str, \"response\": str} or "
+                        "{\"messages\": [{\"role\": str, \"content\": str}, ...]}, one right-padded example per "
+                        "sequence, the loss on the response (the assistant turns) alone; the text tokenizer "
+                        "(--tokenizer-model) formats them with its chat template where it has one (sft_data.py)")
+    g.add_argument("--sft-valid-data", default=None, metavar="FILE.jsonl",
+                   help="the validation rows of --sft-data, in its format (without it: no validation, --eval-iters 0)")
     g.add_argument("--metrics-file", default=None,
                    help="one JSON record per log interval, evaluation and run (default: metrics.jsonl in --save, "
                         "else beside --tensorboard-dir)")
@@ -223,7 +237,7 @@ def load_config_file(path: str) -> Dict[str, object]:
 
 def _pre_parse(argv: Sequence[str]):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name in ("--model", "--config", "--embedded-corpus"):
+    for name in ("--model", "--config", "--embedded-corpus", "--embedded-sft"):
         pre.add_argument(name)
     known, _ = pre.parse_known_args(list(argv))
     return known
@@ -251,6 +265,9 @@ def expand(argv: Sequence[str], cpu: bool) -> List[str]:
     corpus = known.embedded_corpus or file_flags.get("embedded-corpus") or file_flags.get("embedded_corpus")
     if corpus is not None:
         tokens += as_flags(embedded_corpus_flags(corpus), f"--embedded-corpus {corpus}")
+    sft = known.embedded_sft or file_flags.get("embedded-sft") or file_flags.get("embedded_sft")
+    if sft is not None:
+        tokens += as_flags(embedded_sft_flags(sft), f"--embedded-sft {sft}")
     return tokens + list(argv)
 
 
@@ -266,6 +283,18 @@ def embedded_corpus_flags(name: str) -> Dict[str, object]:
     # --sample-prompt and the end-of-run summary.
     return {"data-path": [prefix], "tokenizer-type": "NullTokenizer", "vocab-size": vocab_size,
             "tokenizer-model": tokenizer_dir}
+
+
+def embedded_sft_flags(name: str) -> Dict[str, object]:
+    """The embedded SFT set's flags: its rows and the embedded corpus's tokenizer, built or not (the run builds them:
+    stdlib_sft.prepare_embedded_sft)."""
+    if name not in EMBEDDED_SFT_SETS:
+        raise ConfigError(f"unknown --embedded-sft '{name}'; choose one of: {', '.join(EMBEDDED_SFT_SETS)}")
+    from .stdlib_sft import stdlib_sft_layout
+
+    layout = stdlib_sft_layout()
+    return {"sft-data": layout["train"], "sft-valid-data": layout["valid"], "tokenizer-type": "NullTokenizer",
+            "vocab-size": layout["vocab_size"], "tokenizer-model": layout["tokenizer_dir"]}
 
 
 # --------------------------------------------------------------------------------------------- resolution
@@ -403,9 +432,11 @@ def check(args, plat, world: Optional[int] = None) -> None:
     if spec.is_stock and args.transformer_impl == "local" and cp > 1:
         raise ConfigError("--context-parallel-size > 1: the stock local spec's attention (megatron-core's "
                           "DotProductAttention) has no context parallelism; use --spec litespark or stock-te")
-    if not args.mock_data and not args.data_path and not args.train_data_path:
+    if args.sft_data or args.sft_valid_data:
+        _check_sft(args)
+    elif not args.mock_data and not args.data_path and not args.train_data_path:
         raise ConfigError("no data: give --data-path (an indexed dataset; tools/preprocess_data.py makes one), "
-                          "--embedded-corpus stdlib, or --mock-data")
+                          "--embedded-corpus stdlib, --sft-data FILE.jsonl, or --mock-data")
     default_tokenizer(args)
     if args.tokenizer_type is None:
         raise ConfigError("no --tokenizer-type: the data's tokenizer, e.g. HuggingFaceTokenizer --tokenizer-model "
@@ -445,6 +476,41 @@ def check(args, plat, world: Optional[int] = None) -> None:
     from .legacy_checkpoint import check as check_legacy_checkpoint
 
     check_legacy_checkpoint(args)
+
+
+def _check_sft(args) -> None:
+    """--sft-data: what an SFT run reads (its rows alone) and what of megatron.training's data options it leaves
+    out. The rows themselves are read by the run (sft_data.prepare)."""
+    if not args.sft_data:
+        raise ConfigError("--sft-valid-data needs --sft-data, the training rows")
+    other = [flag for flag, given in (("--embedded-corpus", args.embedded_corpus), ("--data-path", args.data_path),
+                                      ("--train-data-path", args.train_data_path),
+                                      ("--valid-data-path", args.valid_data_path),
+                                      ("--test-data-path", args.test_data_path),
+                                      ("--mock-data", args.mock_data)) if given]
+    if other:
+        raise ConfigError(f"--sft-data trains on its JSONL rows alone, not on {other[0]}: drop {other[0]} (pretrain "
+                          "first, then fine-tune the checkpoint: --peft-base, or --load with --finetune)")
+    if args.sft:
+        raise ConfigError("--sft is megatron.training's packed SFT (its own JSONL reader, Transformer Engine's "
+                          "attention on a GPU); --sft-data is litespark-train's (one example per sequence, any "
+                          "attention, the CPU too): give one of them")
+    if not args.tokenizer_model:
+        raise ConfigError("--sft-data is text and needs the text tokenizer: give --tokenizer-model (a tokenizer "
+                          "directory or tokenizer.json), with --tokenizer-type HuggingFaceTokenizer, or NullTokenizer "
+                          "and the model's --vocab-size")
+    packed = [flag for flag, given in (("--reset-position-ids", args.reset_position_ids),
+                                       ("--reset-attention-mask", args.reset_attention_mask),
+                                       ("--eod-mask-loss", args.eod_mask_loss)) if given]
+    if packed:
+        raise ConfigError(f"{packed[0]} is for documents packed into sequences; --sft-data puts one example in a "
+                          "sequence and masks its prompt and padding itself: drop it")
+    if args.dataloader_type not in (None, "single"):
+        raise ConfigError(f"--dataloader-type {args.dataloader_type} with --sft-data: the SFT dataset shuffles its "
+                          "rows every epoch itself and megatron.training reads it in order (single, the default)")
+    if not args.sft_valid_data and args.eval_iters and not args.skip_train:
+        raise ConfigError(f"--eval-iters {args.eval_iters} but no --sft-valid-data: give the validation rows, or "
+                          "--eval-iters 0 to train without validation")
 
 
 def _check_nsa(args, plat) -> None:

@@ -331,7 +331,7 @@ def _read_stdlib_documents(max_bytes: int, include_tests: bool) -> List[Tuple[st
 
 
 @contextmanager
-def _locked(directory: str):
+def locked(directory: str):
     """Exclusive lock on a directory: concurrent preparers (several ranks, several runs) build it once."""
     # Append mode: opening must not touch the file, so that a cache hit leaves the directory exactly as it was.
     with open(os.path.join(directory, ".lock"), "a") as f:
@@ -399,7 +399,7 @@ def prepare_stdlib_corpus(cache_dir: str, vocab_size: int = 4096, max_bytes: int
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         raise DataError(f"cannot create the corpus cache directory {cache_dir}: {e.strerror or e}") from None
-    with _locked(cache_dir):
+    with locked(cache_dir):
         cached = _load_cached(cache_dir, config)
         if cached is not None:
             return cached

@@ -7,7 +7,9 @@ to it (the forward step, the loss with its checks, the datasets provider) and th
     main(argv) -> platform.prepare_libraries     the package of every library patch (CPU shims, 5 gaps)
                -> arguments.parse_checked        Megatron-LM flags (+ presets, --config, checks)
                -> corpus.prepare_embedded_corpus --embedded-corpus: the corpus built (once, cached)
+               -> stdlib_sft.prepare_embedded_sft --embedded-sft: the SFT set built (once, cached)
                -> data.check                     data and tokenizer checked before any process group
+               -> sft_data.prepare               --sft-data: every row read and tokenized (a bad row: one line)
                -> checkpoint_dir.lock / clean    --save held by this run alone; refused if its saves would
                                                  overwrite complete checkpoints it did not load; unfinished saves
                                                  removed, older checkpoints pruned (--keep-last-checkpoints)
@@ -180,8 +182,8 @@ def _probed_forward(run, model):
 
 # --------------------------------------------------------------------------------------------- the data
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """GPT datasets from --data-path (or megatron-core's mock dataset with --mock-data), built on the ranks that
-    read batches."""
+    """GPT datasets from --data-path (or megatron-core's mock dataset with --mock-data), or SFT datasets from
+    --sft-data (sft_data.py), built on the ranks that read batches."""
     from megatron.core import mpu
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -189,6 +191,14 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
     args = get_args()
+
+    def built_here():
+        return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+    if args.sft_data:
+        from . import sft_data
+
+        return sft_data.datasets(args, train_val_test_num_samples, built_here())
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed if args.data_seed is None else args.data_seed, sequence_length=args.seq_length,
@@ -199,10 +209,6 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
-
-    def built_here():
-        return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
-
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_here, config).build()
 
@@ -234,13 +240,15 @@ def prepare(argv):
     megatron.training's global state (get_args(), TensorBoard). Raises UserError with one line."""
     from megatron.training.global_vars import set_global_variables
 
-    from . import checkpoint_dir, corpus, data
+    from . import checkpoint_dir, corpus, data, sft_data, stdlib_sft
 
     platform.quiet_library_noise()
     plat = platform.prepare_libraries()
     args = arguments.parse_checked(argv, plat)
     corpus.prepare_embedded_corpus(args)
+    stdlib_sft.prepare_embedded_sft(args)
     data.check(args)
+    sft_data.prepare(args)
     checkpoint_dir.lock(args)
     checkpoint_dir.clean(args)
     set_global_variables(args)

@@ -46,6 +46,12 @@ def _data_description(args) -> str:
     its content, which depends on the machine's Python)."""
     if args.mock_data:
         return "mock data (megatron-core's MockGPTDataset)"
+    if getattr(args, "sft_data", None):
+        if getattr(args, "embedded_sft", None):
+            from .stdlib_sft import describe_stdlib_sft
+
+            return describe_stdlib_sft(args.sft_data) or f"{args.embedded_sft} SFT set"
+        return f"sft data: {args.sft_data}"
     if getattr(args, "embedded_corpus", None) and args.data_path:
         from .corpus import describe_stdlib_corpus
 
@@ -82,6 +88,9 @@ class Telemetry:
         self.flops_full = training_flops_per_step(shape, gbs, causal="full", **recompute).model_flops
         self.flops_causal = training_flops_per_step(shape, gbs, causal="half", **recompute).model_flops
         self.tokens_per_step = gbs * args.seq_length
+        # --sft-data: the samples' non-padding tokens, summed over the sample order (sft_data.train_input_tokens);
+        # built at the first interval's end, the interval's first sample marked at its start
+        self._sft_tokens, self._consumed_mark = None, 0
         self.peak, self.peak_note = None, None
         if self.cuda or args.peak_tflops:
             precision = _precision(args)
@@ -163,6 +172,7 @@ class Telemetry:
         self._steps = 0
         self._loss_sum, self._loss_count, self._skipped = None, 0, 0
         self._forward_s, self._forward_events = 0.0, []
+        self._consumed_mark = getattr(self.args, "consumed_train_samples", 0)
         if self.energy_ok:
             self.energy.lap()  # what ran before this interval (set-up, evaluation, a save) is not counted
 
@@ -203,7 +213,9 @@ class Telemetry:
         self._sync()
         seconds = time.perf_counter() - self._t0
         steps = max(self._steps, 1)
-        tokens = self.tokens_per_step * steps
+        tokens, tokens_seen = self.tokens_per_step * steps, args.consumed_train_samples * args.seq_length
+        if getattr(args, "sft_data", None):
+            tokens, tokens_seen = self._sft_interval_tokens()
         tflops = self.flops_full * steps / seconds / self.world / 1e12
         tflops_causal = self.flops_causal * steps / seconds / self.world / 1e12
         loss = float(self._loss_sum.item() / self._loss_count) if self._loss_count else None
@@ -213,7 +225,7 @@ class Telemetry:
         record = dict(
             loss=loss, lr=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale if args.fp16 else None,
             skipped_in_interval=self._skipped, consumed_samples=args.consumed_train_samples,
-            tokens_seen=args.consumed_train_samples * args.seq_length, steps=steps, step_time_s=seconds / steps,
+            tokens_seen=tokens_seen, steps=steps, step_time_s=seconds / steps,
             tokens_per_sec=tokens / seconds, tokens_per_sec_per_gpu=tokens / seconds / self.world,
             tflops_per_gpu=tflops, tflops_per_gpu_causal=tflops_causal,
             mfu=tflops / self.peak.tflops if self.peak else None,
@@ -225,6 +237,17 @@ class Telemetry:
         self.write(iteration, "train", record)
         self._tensorboard(iteration, record)
         self._restart()
+
+    def _sft_interval_tokens(self):
+        """(non-padding tokens of the interval's samples, of every sample so far): an SFT sequence is mostly
+        padding, and tokens/s and J/token count the example tokens (the FLOPs, the positions computed)."""
+        from .sft_data import train_input_tokens
+
+        if self._sft_tokens is None:
+            self._sft_tokens = train_input_tokens(self.args)
+        last = len(self._sft_tokens) - 1
+        start, end = (min(int(c), last) for c in (self._consumed_mark, self.args.consumed_train_samples))
+        return int(self._sft_tokens[end] - self._sft_tokens[start]), int(self._sft_tokens[end])
 
     # -- forward time per rank (stragglers) ----------------------------------------------------------------------
     @contextlib.contextmanager

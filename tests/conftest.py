@@ -71,6 +71,8 @@ LONGEST_FIRST = (
     "test_telemetry.py::test_a_restart_after_a_kill_leaves_one_record_per_step",
     "test_launcher.py",
     "test_loss_equivalence.py",
+    "test_stdlib_sft.py::test_a_run_on_the_embedded_set_learns",
+    "test_sft_training.py",
     "test_trainer.py",
     "test_checkpoint_dir.py",
     "test_checkpoints.py",
