@@ -196,14 +196,16 @@ def plan(settings: Settings, machine: Machine, config: dict) -> Dict[str, Option
 
 
 # --------------------------------------------------------------------------------------------- text
-def _tokenizer(settings: Settings):
-    from ..data import load_tokenizer
-
-    source = settings.tokenizer or settings.hf
-    if settings.tokenizer is None and not (settings.hf / "tokenizer.json").is_file():
+def tokenizer_source(settings: Settings) -> Path:
+    """--tokenizer, else the model directory's own tokenizer; refused when neither exists."""
+    if settings.tokenizer is not None:
+        if not settings.tokenizer.exists():
+            raise UserError(f"--tokenizer {settings.tokenizer}: no such file or directory")
+        return settings.tokenizer
+    if not (settings.hf / "tokenizer.json").is_file():
         raise UserError(f"--hf {settings.hf} has no tokenizer.json: pass --tokenizer (the model's tokenizer "
                         f"directory; litespark-convert export --tokenizer ships it with the model)")
-    return load_tokenizer(None, str(source))
+    return settings.hf
 
 
 def prepare_text(settings: Settings, config: dict, calibration: bool) -> Path:
@@ -218,7 +220,9 @@ def prepare_text(settings: Settings, config: dict, calibration: bool) -> Path:
     wanted = ["eval.pt", "prompts.pt"] + (["calibration.pt"] if calibration else [])
     if all((text / name).exists() for name in wanted):
         return text
-    tokenizer = _tokenizer(settings)
+    from ..data import load_tokenizer
+
+    tokenizer = load_tokenizer(None, str(tokenizer_source(settings)))
     vocab = config.get("vocab_size")
 
     def stream_of(documents, what):
@@ -343,6 +347,10 @@ def run_bench(settings: Settings, log=print) -> int:
     machine = Machine.detect(settings.cpu)
     reasons = plan(settings, machine, config)
     runnable = [n for n in settings.variants if not reasons[n]]
+    tokenizer_source(settings)
+    for path, flag in ((settings.eval_text, "--eval-text"), (settings.calibration_text, "--calibration-text")):
+        if path is not None and not path.is_file():
+            raise UserError(f"{flag} {path}: no such file")
     settings.out.mkdir(parents=True, exist_ok=True)
     state = load_state(settings.out, settings.identity())
     text = prepare_text(settings, config, any(VARIANTS[n].needs_calibration for n in runnable))
