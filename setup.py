@@ -28,8 +28,13 @@ setup(
         "te": ["transformer-engine[pytorch]==2.20.2"],
         # liger-kernel: the benchmark's hf-liger peer (its checks run on a CPU too); peft: HF peft, the tests' oracle
         # of --peft lora|dora (the exported adapter loaded with it).
-        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib", "liger-kernel==0.8.5", "peft==0.21.2"],
+        # torchao: the inference benchmark's int4 variants, which its tests quantize a tiny model with.
+        "dev": ["pytest>=7", "pytest-xdist>=3", "matplotlib", "liger-kernel==0.8.5", "peft==0.21.2",
+                "torchao==0.18.0"],
         "bench": ["liger-kernel==0.8.5"],
+        # tools/inference_bench.py: int4 weight-only (RTN, HQQ, AWQ) and float8 variants (torchao has no
+        # dependencies; its int4 kernels are aten's). NF4 needs bitsandbytes besides, not required.
+        "inference": ["torchao==0.18.0"],
         # Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir log to Weights & Biases.
         "wandb": ["wandb"],
         # litespark-convert: Hugging Face Llama checkpoints in and out (transformers is a dependency already).
