@@ -63,6 +63,7 @@ LONGEST_FIRST = (
     "test_checkpoints.py::test_litespark_checkpoint_resumes_in_megatron_lm_and_back",
     "test_checkpoint_dir.py::test_a_run_that_does_not_load_its_save_directory_leaves_the_checkpoints_there",
     "test_efficiency.py::test_interrupted_suite_stops_its_run_and_resumes",
+    "test_inference_bench.py::test_end_to_end_reports_every_variant_and_resumes_only_what_did_not_finish",
     "test_cross_entropy_kernel.py::test_the_flag_trains_as_megatron_cores_loss",
     "test_hf_convert.py",
     "test_layout_sweep.py",
