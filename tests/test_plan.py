@@ -95,6 +95,27 @@ def test_a_plan_ranks_layouts_that_fit_and_prints_their_commands(capsys):
         slow["layouts"][0]["tokens_per_sec_per_gpu"] < result["layouts"][0]["tokens_per_sec_per_gpu"]
 
 
+def test_a_plan_across_nodes(capsys):
+    """64 H100s as 8 nodes of 8 (llama3-8b, FP8, 8k tokens, the published 8-GPU row's global batch): every layout
+    spans the 64 ranks (DP x TP x PP x CP), TP stays inside a node, the commands launch 8 nodes, and the DP
+    reductions over the network make no layout faster per GPU than the one GPU the plan starts from."""
+    import re
+
+    result = planned(capsys, "--gpu", "H100", "--nodes", "8", "--gpus-per-node", "8", "--top", "5",
+                     "--model", "llama3-8b", "--bf16", "--fp8-format", "hybrid", "--seq-length", "8192",
+                     "--global-batch-size", "128", "--micro-batch-size", "1")
+    assert result["nodes"] == 8 and result["fit"] >= 5
+    assert result["interconnect"] == "datasheet: 450 GB/s between GPUs of a node, 50 GB/s per GPU between nodes, " \
+                                     "x 0.8 (NCCL)"
+    one_gpu = float(re.search(r"([\d,]+) tokens/s on one GPU", result["rate"]).group(1).replace(",", ""))
+    for layout in result["layouts"]:
+        tp, pp, cp, dp = (int(re.search(rf"{dim}(\d+)", layout["layout"]).group(1)) for dim in ("TP", "PP", "CP", "DP"))
+        assert tp * pp * cp * dp == 64 == layout["gpus"] and 8 % tp == 0, layout["layout"]
+        assert layout["command"].startswith("torchrun --nnodes 8 --nproc-per-node 8 -m litespark_megatron ")
+        assert 0 < layout["tokens_per_sec_per_gpu"] < one_gpu
+        assert layout["memory_gib"]["required"] <= result["usable_gib"]
+
+
 def test_measured_collective_bandwidth(tmp_path, capsys):
     report = tmp_path / "bw.json"
     report.write_text(json.dumps({"world_size": 4, "rows": [
