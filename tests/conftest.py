@@ -403,11 +403,12 @@ def losses(metrics_file) -> dict:
 
 
 def parity_run(tmp_path, nproc: int, flags, env=None) -> dict:
-    """Train in a layout; its per-step losses and grad norms (metrics.jsonl, log interval 1)."""
+    """Train in a layout; its per-step losses and grad norms (metrics.jsonl, log interval 1) and its run record."""
     metrics = tmp_path / f"metrics_{free_port()}.jsonl"
     ok(train(nproc, *flags, "--log-interval", "1", "--metrics-file", metrics, env=env))
     rows = records(metrics, "train")
-    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
+    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
+            "run": records(metrics, "run")[0]}
 
 
 _SPAWNERS = (run, torchrun, train, parity_run)  # conftest's helpers that start processes (the rooms, above)
