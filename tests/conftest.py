@@ -55,6 +55,7 @@ LONGEST_FIRST = (
     "test_trainer.py::test_checkpoint_reshards_tp2_to_tp1_and_pp2",
     "test_hf_parallel.py::test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains",
     "test_hf_convert.py::test_import_loads_in_tp2pp2_with_transformers_logits",
+    "test_efficiency.py::test_finetune_axis_runs_the_six_variants_from_one_base",
     "test_efficiency.py::test_end_to_end_writes_table_json_csv_plots_and_tensorboard",
     "test_cross_entropy_kernel.py::test_reference_is_the_cross_entropy_of_the_whole_vocabulary",
     "test_launcher.py::test_two_nodes_on_localhost_match_one_node",
