@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .metrics.energy import EnergyMeter
-from .metrics.flops import ModelShape, param_count, recompute_from_args, training_flops_per_step
+from .metrics.flops import (FLOP_CONVENTIONS, ModelShape, PeftShape, param_count, recompute_from_args, trainable_params,
+                            training_flops_per_step)
 from .metrics.peaks import PeakError, detect_peak
 from .platform import callbacks
 
@@ -57,6 +58,18 @@ def _data_description(args) -> str:
 
         return describe_stdlib_corpus(args.data_path[-1]) or f"{args.embedded_corpus} corpus"
     return "data: " + " ".join(map(str, args.data_path or args.train_data_path or []))
+
+
+def _peft_shape(args) -> Optional[PeftShape]:
+    """What a --peft run trains, for the FLOP counter's "peft" convention (None: every weight trains)."""
+    from .peft import settings
+
+    peft = settings(args)
+    if peft is None:
+        return None
+    if peft.method == "freeze":
+        return PeftShape("freeze", trainable_layers=peft.trainable_layers)
+    return PeftShape(peft.method, rank=peft.adapter.rank, targets=peft.targets, dropout=peft.adapter.dropout)
 
 
 def _precision(args) -> str:
@@ -85,8 +98,15 @@ class Telemetry:
         shape = ModelShape.from_args(args, padded_vocab=args.padded_vocab_size)
         recompute = recompute_from_args(args)
         gbs = args.global_batch_size
-        self.flops_full = training_flops_per_step(shape, gbs, causal="full", **recompute).model_flops
-        self.flops_causal = training_flops_per_step(shape, gbs, causal="half", **recompute).model_flops
+        # A --peft run's frozen weights get no weight gradient (and no input gradient below the lowest trainable
+        # parameter): its model FLOPs are counted so ("peft"), and the run record says which convention it used.
+        peft = _peft_shape(args)
+        counted = dict(peft=peft, micro_batch_size=args.micro_batch_size, **recompute)
+        full = training_flops_per_step(shape, gbs, causal="full", **counted)
+        self.flops_full = full.model_flops
+        self.flops_causal = training_flops_per_step(shape, gbs, causal="half", **counted).model_flops
+        self.flops_convention = full.flops_convention
+        self.trainable_params = trainable_params(shape, peft)
         self.tokens_per_step = gbs * args.seq_length
         # --sft-data: the samples' non-padding tokens, summed over the sample order (sft_data.train_input_tokens);
         # built at the first interval's end, the interval's first sample marked at its start
@@ -105,7 +125,8 @@ class Telemetry:
         # run) must leave that directory's metrics.jsonl as it was.
         self._run_record = dict(
             world_size=self.world, params=param_count(shape).total, flops_per_step_full=self.flops_full,
-            flops_per_step_causal=self.flops_causal, tokens_per_step=self.tokens_per_step, precision=_precision(args),
+            flops_per_step_causal=self.flops_causal, flops_convention=self.flops_convention,
+            trainable_params=self.trainable_params, tokens_per_step=self.tokens_per_step, precision=_precision(args),
             device=self.device_name if self.cuda else "cpu", spec=getattr(args, "litespark_spec", None),
             transformer_impl=args.transformer_impl, data=self.describe_data(args))
 
@@ -122,6 +143,11 @@ class Telemetry:
         if self.is_writer and self.metrics_path and os.path.exists(self.metrics_path):
             _rewind(self.metrics_path, self.iteration)
         self.write(0, "run", self._run_record)
+        self._scalar("trainable-params", self.trainable_params, 0)
+        writer = self._tensorboard_writer()
+        if writer is not None:
+            writer.add_text(TB_PREFIX + "flops-convention",
+                            f"{self.flops_convention}: {FLOP_CONVENTIONS[self.flops_convention]}", 0)
         if self.load_seconds is not None:
             self.write(self.iteration, "load", dict(seconds=self.load_seconds))
             self._scalar("load-seconds", self.load_seconds, self.iteration)
@@ -384,7 +410,8 @@ class Telemetry:
     def finish(self, iteration: int) -> None:
         summary = dict(iterations=iteration, first_loss=self.first_loss, final_loss=self.last_loss,
                        val_loss=(self.val or {}).get("loss"), val_ppl=(self.val or {}).get("ppl"),
-                       energy_kwh=self.total_joules / 3.6e6 if self.total_joules else None)
+                       energy_kwh=self.total_joules / 3.6e6 if self.total_joules else None,
+                       flops_convention=self.flops_convention, trainable_params=self.trainable_params)
         self.write(iteration, "run", summary)
         if self._file is not None:
             self._file.close()

@@ -55,6 +55,7 @@ LONGEST_FIRST = (
     "test_trainer.py::test_checkpoint_reshards_tp2_to_tp1_and_pp2",
     "test_hf_parallel.py::test_ddp_and_fsdp2_on_two_ranks_train_what_one_process_trains",
     "test_hf_convert.py::test_import_loads_in_tp2pp2_with_transformers_logits",
+    "test_efficiency.py::test_finetune_axis_runs_the_six_variants_from_one_base",
     "test_efficiency.py::test_end_to_end_writes_table_json_csv_plots_and_tensorboard",
     "test_cross_entropy_kernel.py::test_reference_is_the_cross_entropy_of_the_whole_vocabulary",
     "test_launcher.py::test_two_nodes_on_localhost_match_one_node",
@@ -404,11 +405,12 @@ def losses(metrics_file) -> dict:
 
 
 def parity_run(tmp_path, nproc: int, flags, env=None) -> dict:
-    """Train in a layout; its per-step losses and grad norms (metrics.jsonl, log interval 1)."""
+    """Train in a layout; its per-step losses and grad norms (metrics.jsonl, log interval 1) and its run record."""
     metrics = tmp_path / f"metrics_{free_port()}.jsonl"
     ok(train(nproc, *flags, "--log-interval", "1", "--metrics-file", metrics, env=env))
     rows = records(metrics, "train")
-    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
+    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
+            "run": records(metrics, "run")[0]}
 
 
 _SPAWNERS = (run, torchrun, train, parity_run)  # conftest's helpers that start processes (the rooms, above)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env, made_once, run
+from conftest import ROOT, child_env, made_once, ok, preset, run, train
 
 SUITE = [sys.executable, str(ROOT / "tools" / "efficiency_suite.py")]
 OWN = ["--model", "tiny", "--variants", "gqa,mqa", "--mock-data", "--train-iters", "4", "--log-interval", "2",
@@ -461,3 +461,117 @@ def test_report_only_needs_a_recorded_suite(tmp_path):
     assert str(e.value) == (f"{tmp_path / 'none'} holds no suite (suite_state.json is missing): --report-only "
                             "rewrites the report of runs made before; run the suite without it first")
     assert not (tmp_path / "none").exists()
+
+
+# --------------------------------------------------------------------------------------------- fine-tuning axis
+FT_OWN = ["--axis", "finetune", "--model", "tiny", "--variants", "all", "--train-iters", "4", "--log-interval", "2",
+          "--eval-iters", "1"]
+FT_SHARED = ["--", "--micro-batch-size", "4", "--global-batch-size", "8"]
+FT_VARIANTS = ["full", "lora", "rslora", "dora", "lora-plus", "freeze"]
+
+
+def make_base(directory):
+    """A base checkpoint of the tiny preset: a short pretraining run on the embedded corpus (the SFT set's tokenizer)."""
+    ok(train(1, "--model", "tiny", "--embedded-corpus", "stdlib", "--micro-batch-size", "4", "--global-batch-size",
+             "8", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "100", "--save",
+             directory / "base", "--save-interval", "2", timeout=600))
+    return directory / "base"
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    def build(directory):
+        base = make_base(directory)
+        proc = suite(directory / "out", *FT_OWN, "--peft-base", base, *FT_SHARED, timeout=1200)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return base, directory / "out", proc
+    return made_once(tmp_path_factory, "efficiency-suite-finetune", build)
+
+
+def test_finetune_axis_runs_the_six_variants_from_one_base(finetuned):
+    from litespark_megatron.metrics.flops import ModelShape, PeftShape, trainable_params
+
+    base, out, proc = finetuned
+    rows = {r["variant"]: r for r in json.loads((out / "efficiency.json").read_text())["variants"]}
+    assert list(rows) == FT_VARIANTS and all(r["status"] == "done" for r in rows.values()), rows
+    tiny = preset("tiny")
+    shape = ModelShape.from_args(tiny, padded_vocab=4096)  # the embedded corpus's tokenizer
+    expected = {"full": None, "lora": PeftShape("lora", rank=64), "rslora": PeftShape("lora", rank=64),
+                "dora": PeftShape("dora", rank=64), "lora-plus": PeftShape("lora", rank=64),
+                "freeze": PeftShape("freeze", trainable_layers=2)}
+    for name, peft in expected.items():
+        r = rows[name]
+        assert r["trainable_params"] == trainable_params(shape, peft), name
+        assert r["flops_convention"] == ("standard" if peft is None else "peft"), name
+        assert r["al_s"] > 0 and r["tokens_per_sec"] > 0 and r["val_loss"] > 0 and r["checkpoint_mb"] > 0, r
+        assert all(r[k] is None for k in GPU_ONLY), r
+        assert f"--peft-base {base}" in r["flags"] or name == "full", r["flags"]
+    assert f"--pretrained-checkpoint {base}" in rows["full"]["flags"]
+    assert "--lora-scaling rs" in rows["rslora"]["flags"] and "--lora-plus-ratio 16" in rows["lora-plus"]["flags"]
+    assert "--trainable-layers 2" in rows["freeze"]["flags"] and "--lora-rank 64 --lora-alpha 128" in rows["dora"]["flags"]
+    # the adapters alone against the whole model and its optimizer state
+    assert rows["lora"]["checkpoint_mb"] < rows["dora"]["checkpoint_mb"] < rows["full"]["checkpoint_mb"]
+    assert not list((out / "runs").glob("*/checkpoint"))  # measured, then removed
+    table = (out / "efficiency.md").read_text()
+    assert "| variant | params | val loss | AMU (GB) |" in table and "checkpoint (MB)" in table
+    assert "0.598M trainable" in next(l for l in table.splitlines() if l.startswith("| lora |"))
+
+
+def test_finetune_findings_state_the_papers_confounds(finetuned):
+    _, out, _ = finetuned
+    findings = (out / "findings.md").read_text()
+    rows = [l for l in findings.splitlines() if l.startswith("| ") and not l.startswith("| EfficientLLM")]
+    assert len(rows) == 4 and all("4-bit NF4 base" in r for r in rows), rows
+    rslora = next(r for r in rows if r.startswith("| RSLoRA"))
+    assert "**not runnable here**" in rslora and "14B parameters or more" in rslora
+    for claim in ("| The LoRA family", "| Freezing has the lowest", "| DoRA is the slowest"):
+        row = next(r for r in rows if r.startswith(claim))
+        assert "**inconclusive**" in row, row  # one repeat: no interval, no verdict either way
+
+
+def test_finetune_axis_resumes_what_is_missing(finetuned, tmp_path):
+    base, done, _ = finetuned
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    state_file = out / "suite_state.json"
+    state = json.loads(state_file.read_text())
+    state["variants"]["freeze"] = dict(state["variants"]["freeze"], status="running")
+    state_file.write_text(json.dumps(state))
+    proc = suite(out, *FT_OWN, "--peft-base", base, *FT_SHARED)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "freeze: training" in proc.stdout and "lora: already done, skipped" in proc.stdout
+    assert sum(": training" in line for line in proc.stdout.splitlines()) == 1
+    assert json.loads(state_file.read_text())["variants"]["freeze"]["checkpoint_bytes"] > 0
+
+
+def test_a_finetune_variant_that_cannot_run_says_why(finetuned):
+    """Under the stock layer spec the adapters have nowhere to go: the LoRA family cannot run, full and freeze can."""
+    from litespark_megatron import platform
+    from litespark_megatron.apps import efficiency_suite as efficiency
+
+    base = finetuned[0]
+    settings = efficiency.parse_settings(["--out", "unused", *FT_OWN, "--peft-base", str(base), *FT_SHARED,
+                                          "--spec", "stock-local"])
+    planned = efficiency.plan(settings, platform.detect())
+    why = {name: entry["cannot_run"] for name, entry in planned.items() if entry.get("cannot_run")}
+    assert list(why) == ["lora", "rslora", "dora", "lora-plus"]
+    assert all("the adapters live in the Litespark layer" in reason for reason in why.values()), why
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--axis", "finetune", "--variants", "lora"], "--axis finetune fine-tunes a base model: give --peft-base CKPT"),
+    (["--variants", "gqa", "--peft-base", "x"], "--peft-base is the base of --axis finetune"),
+    (["--axis", "finetune", "--peft-base", "x", "--mock-data"], "--mock-data with --axis finetune"),
+    (["--axis", "finetune", "--peft-base", "x", "--variants", "gqa"], "unknown variant 'gqa'; choose from: full, "
+                                                                      "lora, rslora, dora, lora-plus, freeze"),
+    (["--axis", "finetune", "--peft-base", "{missing}"], "no checkpoint there"),
+    (["--axis", "finetune", "--peft-base", "x", "--", "--pretrained-checkpoint", "y"],
+     "--pretrained-checkpoint is set by the suite"),
+])
+def test_bad_finetune_options(argv, message, tmp_path):
+    from litespark_megatron.apps import efficiency_suite as efficiency
+    from litespark_megatron.arguments import UserError
+
+    argv = [a.replace("{missing}", str(tmp_path)) for a in argv]
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        efficiency.parse_settings(["--out", "unused", *argv])

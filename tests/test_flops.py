@@ -24,9 +24,12 @@ from litespark_megatron.metrics.flops import (
     MLAShape,
     ModelShape,
     MoEShape,
+    PeftShape,
     flops_per_token_forward,
+    layer_forward_per_sequence,
     param_count,
     recompute_from_args,
+    trainable_params,
     training_flops_per_step,
 )
 
@@ -439,3 +442,162 @@ def test_bad_arguments_are_rejected():
         training_flops_per_step(tiny(), 0)
     with pytest.raises(ValueError, match="recomputed_layers"):
         training_flops_per_step(tiny(), 1, recompute="full", recomputed_layers=[5])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fine-tuning: the "peft" convention against FlopCounterMode on the reference with frozen weights and adapters
+# ----------------------------------------------------------------------------------------------------------
+class RefAdapted(nn.Module):
+    """LoRA/DoRA on one linear as HF peft computes it (peft.tuners.lora Linear, DoraLinearLayer): A r x in, B out x r;
+    DoRA's row norm of W + s B A detached, and with dropout the base GEMM again on the dropped input."""
+
+    def __init__(self, base: nn.Linear, rank: int, dora: bool, dropout: float):
+        super().__init__()
+        self.base, self.dora, self.scale = base, dora, 2.0
+        self.A = nn.Linear(base.in_features, rank, bias=False)
+        self.B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.B.weight)
+        self.drop = nn.Dropout(dropout)
+        self.m = nn.Parameter(torch.ones(base.out_features)) if dora else None
+
+    def forward(self, x):
+        out, dropped = self.base(x), self.drop(x)
+        delta = self.B(self.A(dropped)) * self.scale
+        if not self.dora:
+            return out + delta
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(self.base.weight + self.scale * (self.B.weight @ self.A.weight), dim=1)
+        g = self.m / norm
+        base_result = out if dropped is x else self.base(dropped)
+        return out + (g - 1) * base_result + g * delta
+
+
+# megatron-core's fused linears -> the reference's separate projections (one adapter each)
+PROJECTIONS = {"linear_qkv": (("attn", "q"), ("attn", "k"), ("attn", "v")), "linear_proj": (("attn", "o"),),
+               "linear_fc1": (("mlp", "gate"), ("mlp", "up")), "linear_fc2": (("mlp", "down"),)}
+
+
+def peft_reference(shape: ModelShape, peft: PeftShape) -> nn.Module:
+    torch.manual_seed(0)
+    model = RefDecoder(shape)
+    model.requires_grad_(False)
+    if peft.method == "freeze":
+        for layer in model.layers[shape.num_layers - peft.trainable_layers:]:
+            layer.requires_grad_(True)
+        return model
+    for n1, attn, n2, mlp in model.layers:
+        modules = {"attn": attn, "mlp": mlp}
+        for target in peft.targets:
+            for parent, name in PROJECTIONS[target]:
+                setattr(modules[parent], name, RefAdapted(getattr(modules[parent], name), peft.rank,
+                                                          peft.method == "dora", peft.dropout))
+    return model
+
+
+def measured_peft_flops(shape: ModelShape, peft: PeftShape, batch: int, micro_batch: int) -> int:
+    model = peft_reference(shape, peft)
+    ids = torch.randint(0, shape.vocab_size, (batch, shape.seq_length))
+    with FlopCounterMode(display=False) as counter:
+        for chunk in ids.split(micro_batch):  # one forward call per micro-batch, as the trainer's
+            F.cross_entropy(model(chunk).flatten(0, 1), chunk.flatten()).backward()
+    return counter.get_total_flops()
+
+
+PEFT_CASES = {
+    "lora-all-linears": (tiny(num_query_groups=2), PeftShape("lora", rank=4)),
+    # the first two linears of every layer frozen and before any adapter: layer 0's are forward only
+    "lora-fc2-only": (tiny(num_query_groups=2), PeftShape("lora", rank=3, targets=("linear_fc2",))),
+    "lora-proj-gelu": (tiny(gated_linear_unit=False), PeftShape("lora", rank=2, targets=("linear_proj",))),
+    "dora-dropout": (tiny(num_query_groups=2), PeftShape("dora", rank=4, dropout=0.1)),
+    "dora-no-dropout-qkv": (tiny(), PeftShape("dora", rank=2, targets=("linear_qkv",))),
+    "freeze-last-1": (tiny(num_layers=3, num_query_groups=2), PeftShape("freeze", trainable_layers=1)),
+    "freeze-all-tied": (tiny(untie_embeddings_and_output_weights=False), PeftShape("freeze", trainable_layers=2)),
+    "freeze-moe": (REFERENCE_CASES["moe-shared-alternate"], PeftShape("freeze", trainable_layers=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(PEFT_CASES))
+def test_peft_convention_equals_flop_counter_mode(name):
+    shape, peft = PEFT_CASES[name]
+    measured = measured_peft_flops(shape, peft, batch=4, micro_batch=2)
+    counted = training_flops_per_step(shape, 4, causal="full", peft=peft, micro_batch_size=2)
+    assert counted.model_flops == measured, f"{name}: counter {counted.model_flops} vs FlopCounterMode {measured}"
+    assert counted.flops_convention == "peft"
+
+
+@pytest.mark.parametrize("name", list(PEFT_CASES))
+def test_trainable_params_are_the_references(name):
+    shape, peft = PEFT_CASES[name]
+    model = peft_reference(shape, peft)
+    assert trainable_params(shape, peft) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_the_reference_freezes_what_it_should():
+    """Guard the references: frozen weights cost less than training everything, adapters more than nothing."""
+    shape = tiny(num_query_groups=2)
+    full = measured_training_flops(shape, 4)
+    assert measured_peft_flops(shape, PeftShape("freeze", trainable_layers=1), 4, 4) < full
+    lora = PeftShape("lora", rank=4)
+    assert measured_peft_flops(shape, lora, 4, 4) != training_flops_per_step(shape, 4, causal="full").model_flops
+
+
+def test_peft_convention_by_hand_on_a_tiny_shape():
+    """2 layers, h 8, f 16 (SwiGLU), 2 heads of 4, 1 KV group, vocabulary 32, s 4, one sequence; full attention.
+    Per token: qkv 8 x (8 + 4 + 4) = 128 weights, proj 64, fc1 256, fc2 128; attention core 2 x (2 s n d) = 128
+    FLOPs forward; logits 8 x 32 = 256 weights."""
+    shape = ModelShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                       vocab_size=32, seq_length=4)
+    s, qkv, proj, fc1, fc2, core, logits = 4, 128, 64, 256, 128, 128, 256
+    layer_weights = qkv + proj + fc1 + fc2
+    # standard: 3 x (2 x weights + core) per token
+    assert training_flops_per_step(shape, 1, causal="full").model_flops == \
+        s * 3 * (2 * 2 * layer_weights + 2 * core + 2 * logits)
+    # freeze, last layer trains: layer 0 forward only, layer 1 all of it, the output layer forward + input gradient
+    freeze = training_flops_per_step(shape, 1, causal="full", peft=PeftShape("freeze", trainable_layers=1))
+    assert freeze.model_flops == s * ((2 * layer_weights + core) + 3 * (2 * layer_weights + core) + 2 * 2 * logits)
+    # LoRA rank 2 on fc2 alone: layer 0 forward only up to its fc2, whose A has no input gradient; then everything
+    # frozen gets its input gradient (4 per weight) and the attention core its backward; each adapter: A 2 x 16,
+    # B 8 x 2
+    a, b = 2 * 16, 8 * 2
+    lora = training_flops_per_step(shape, 1, causal="full",
+                                   peft=PeftShape("lora", rank=2, targets=("linear_fc2",)))
+    layer0 = 2 * (qkv + proj + fc1) + core + 2 * fc2 + 4 * a + 6 * b
+    layer1 = 4 * layer_weights + 3 * core + 6 * a + 6 * b
+    assert lora.model_flops == s * (layer0 + layer1 + 4 * logits)
+    assert lora.model_breakdown.adapters == s * (4 * a + 6 * b + 6 * a + 6 * b)
+    assert trainable_params(shape, PeftShape("lora", rank=2, targets=("linear_fc2",))) == 2 * (a + b)
+
+
+def test_peft_recompute_adds_the_forward_and_the_embeddings_gradient():
+    """Full recompute under --peft: the embedding's output needs a gradient (peft.apply), so frozen layers below
+    the lowest trainable one run their input gradients too; the recomputed forward includes the adapters'."""
+    shape = tiny(num_layers=3, num_query_groups=2)
+    freeze = PeftShape("freeze", trainable_layers=1)
+    plain = training_flops_per_step(shape, 2, causal="full", peft=freeze)
+    full = training_flops_per_step(shape, 2, causal="full", peft=freeze, recompute="full")
+    layer = layer_forward_per_sequence(shape, 0, "full").scaled(2)
+    below = 2 * (layer.total - layer.attention_core) + 3 * layer.attention_core - layer.total  # per frozen layer
+    assert full.model_flops == plain.model_flops
+    assert full.hardware_flops - full.model_flops == 2 * below + 3 * layer.total
+    lora = PeftShape("lora", rank=2)
+    base = training_flops_per_step(shape, 2, causal="full", peft=lora)
+    sel = training_flops_per_step(shape, 2, causal="full", peft=lora, recompute="selective")
+    assert sel.hardware_flops - sel.model_flops == 3 * layer.attention_core
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="prefix"), "lora, dora or freeze"),
+    (dict(method="freeze"), "trainable_layers"),
+    (dict(method="lora", rank=0), "rank"),
+    (dict(method="lora", rank=4, targets=("q_proj",)), "targets"),
+])
+def test_bad_peft_shapes_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PeftShape(**kwargs)
+
+
+def test_peft_counts_refuse_what_cannot_be_built():
+    with pytest.raises(ValueError, match="micro-batch"):
+        training_flops_per_step(tiny(), 4, peft=PeftShape("dora", rank=2))
+    with pytest.raises(ValueError, match="dense Llama layer"):
+        training_flops_per_step(REFERENCE_CASES["moe-top2"], 4, peft=PeftShape("lora", rank=2))

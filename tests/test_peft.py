@@ -203,6 +203,10 @@ def test_training_leaves_the_base_as_it_was_and_the_optimizer_state_is_the_adapt
         assert torch.equal(after[key][:tensor.shape[0]], tensor), key  # (the vocabulary TP1 pads: the import's rows)
     adapters = [k for k in after if ".adapter." in k and not k.startswith("optimizer.")]
     assert len(adapters) == 3 * 7 and all(after[k].abs().max() > 0 for k in adapters)  # A, B and m of 7 projections
+    # the run record counts what trains (the FLOP counter's count) and names the FLOP convention of its MFU
+    record = runs.training["run"]
+    assert record["trainable_params"] == sum(after[k].numel() for k in adapters)
+    assert record["flops_convention"] == "peft" and record["trainable_params"] < record["params"]
     state = [k for k in after if k.startswith("optimizer.state.")]
     assert len(state) == 2 * len(adapters) and all(".adapter." in k for k in state), state[:5]
 
@@ -267,6 +271,9 @@ def test_freeze_trains_the_last_layer_alone_with_a_pipeline_stage_that_has_nothi
             assert torch.equal(after[key][:3], tensor[:3]) and not torch.equal(after[key][3], tensor[3]), key
         else:
             assert torch.equal(after[key][:tensor.shape[0]], tensor), key
+    record = result["run"]
+    assert record["trainable_params"] == sum(after[k][3].numel() for k in before if k.startswith("decoder.layers."))
+    assert record["flops_convention"] == "peft"
 
 
 # --------------------------------------------------------------------------------------------- bad input

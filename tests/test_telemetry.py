@@ -107,6 +107,7 @@ def test_metrics_file_schema(tmp_path):
                                          "test", "run"]
     start, end = rows[0], rows[-1]
     assert start["tokens_per_step"] == 4 * 32 and start["spec"] == "litespark" and start["params"] > 0
+    assert start["flops_convention"] == "standard" and start["trainable_params"] == start["params"]
     assert start["data"] == "mock data (megatron-core's MockGPTDataset)"
     train_rows = [r for r in rows if r["kind"] == "train"]
     for r in train_rows:

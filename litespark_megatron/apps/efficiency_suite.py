@@ -4,6 +4,10 @@ same steps on the same data by `litespark-train`, and their AMU, PCU, AL, TT, AE
     python tools/efficiency_suite.py --out runs/eff --model eff-0.5b --variants all --repeats 3 -- \
         --micro-batch-size 16 ...
 
+`--axis finetune --peft-base CKPT` is EfficientLLM's other training axis: full fine-tuning and the PEFT methods
+(LoRA, RSLoRA, DoRA, LoRA-plus, freezing) of one base checkpoint on the same SFT rows, with the same measurements plus
+trainable parameters, checkpoint size and validation loss.
+
 Every variant runs in a fresh `python -m litespark_megatron` (torchrun with --nproc > 1) that writes its own
 metrics.jsonl: the trainer's telemetry is the measurement, and this module only aggregates what it logged
 (docs/metrics.md, "EfficientLLM metrics"). A value the trainer did not measure (GPU memory, MFU, power on a CPU
@@ -45,7 +49,9 @@ STATE_FILE = "suite_state.json"
 STATE_VERSION = 1
 # Flags the suite sets itself, per variant or from its own options.
 RESERVED_FLAGS = ("--save", "--load", "--metrics-file", "--tensorboard-dir", "--bf16", "--fp16", "--fp8-format",
-                  "--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--exit-interval")
+                  "--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--exit-interval",
+                  "--peft-base", "--pretrained-checkpoint", "--save-interval")
+AXES = ("pretrain", "finetune")
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 # Subprocess output that means the GPU ran out of memory (torch's allocator, cuBLAS/cuDNN workspaces, raw CUDA).
 OOM_PATTERNS = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
@@ -62,12 +68,21 @@ RECIPE = ["--lr", "3e-4", "--min-lr", "0", "--lr-decay-style", "cosine", "--weig
           "0.95"]
 
 
+# The fine-tuning axis's recipe: EfficientLLM's released LLaMA-Factory settings for its 1B models (learning rate 5e-5,
+# cosine decay, 10% warm-up; HF Trainer's AdamW defaults: no weight decay, beta2 0.999, clip 1.0), one for every method.
+# The distributed optimizer for every variant alike: with the plain one, a torch_dist checkpoint of freeze (optimizer
+# state for the last layers of the stacked layer tensors only) fails megatron-core's sharding validation.
+FINETUNE_RECIPE = ["--lr", "5e-5", "--min-lr", "0", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.1",
+                   "--weight-decay", "0", "--adam-beta2", "0.999", "--use-distributed-optimizer"]
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
     what: str
     flags: Callable  # (base args, te backend?) -> litespark-train flags added to the base command line
     precision: Optional[str] = None  # None: the suite's --precision
+    base_flag: Optional[str] = None  # fine-tuning: the flag that names the base checkpoint (--peft-base CKPT)
 
 
 def _gqa_groups(heads: int, groups: int) -> int:
@@ -127,16 +142,39 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
 )}
 
 
-def parse_variant_names(text: str) -> List[str]:
+# EfficientLLM's PEFT settings (its released LLaMA-Factory configs, for every model): rank 64, alpha 128, dropout 0.1
+# on all linears; LoRA-plus's B at 16 times the learning rate (the LoRA+ paper's ratio); freezing trains the last 2
+# layers. The LoRA-family variants save their adapters alone (what a LoRA checkpoint is).
+EFFICIENTLLM_ADAPTER = ["--lora-rank", "64", "--lora-alpha", "128", "--lora-dropout", "0.1", "--save-adapters-only"]
+FINETUNE_VARIANTS: Dict[str, Variant] = {v.name: v for v in (
+    Variant("full", "every weight trains, from the base", lambda a, te: [], base_flag="--pretrained-checkpoint"),
+    Variant("lora", "LoRA on the four linears, rank 64, alpha 128, dropout 0.1",
+            lambda a, te: ["--peft", "lora", *EFFICIENTLLM_ADAPTER], base_flag="--peft-base"),
+    Variant("rslora", "LoRA with RSLoRA's scaling alpha / sqrt(r)",
+            lambda a, te: ["--peft", "lora", *EFFICIENTLLM_ADAPTER, "--lora-scaling", "rs"], base_flag="--peft-base"),
+    Variant("dora", "DoRA (magnitude and direction), rank 64, alpha 128, dropout 0.1",
+            lambda a, te: ["--peft", "dora", *EFFICIENTLLM_ADAPTER], base_flag="--peft-base"),
+    Variant("lora-plus", "LoRA with B's learning rate 16 times A's (LoRA+)",
+            lambda a, te: ["--peft", "lora", *EFFICIENTLLM_ADAPTER, "--lora-plus-ratio", "16"],
+            base_flag="--peft-base"),
+    Variant("freeze", "the last 2 layers train, all else frozen (LLaMA-Factory's freeze_trainable_layers 2)",
+            lambda a, te: ["--peft", "freeze", "--trainable-layers", "2"], base_flag="--peft-base"),
+)}
+AXIS_VARIANTS = {"pretrain": VARIANTS, "finetune": FINETUNE_VARIANTS}
+
+
+def parse_variant_names(text: str, axis: str = "pretrain") -> List[str]:
+    variants = AXIS_VARIANTS[axis]
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
-        return list(VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
+        return list(variants)
+    unknown = [n for n in names if n not in variants]
     if unknown:
         raise UserError(f"unknown variant{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}; "
-                        f"choose from: {', '.join(VARIANTS)} (or 'all')")
+                        f"choose from: {', '.join(variants)} (or 'all')" +
+                        (f" (the {axis} axis)" if axis != "pretrain" else ""))
     if not names:
-        raise UserError("--variants is empty; name at least one of: " + ", ".join(VARIANTS))
+        raise UserError("--variants is empty; name at least one of: " + ", ".join(variants))
     if len(set(names)) != len(names):
         raise UserError(f"--variants names a variant twice: {text}")
     return names
@@ -170,6 +208,12 @@ class Settings:
     allow_degraded: bool = False
     repeats: int = 1
     report_only: bool = False
+    axis: str = "pretrain"
+    peft_base: Optional[str] = None  # the fine-tuning axis's base checkpoint
+
+    @property
+    def variant_table(self) -> Dict[str, Variant]:
+        return AXIS_VARIANTS[self.axis]
 
     def run_ids(self, name: str) -> List[str]:
         """The runs of one variant: its name for the first repeat (so a suite of one repeat is what it always
@@ -178,16 +222,24 @@ class Settings:
 
     def identity(self) -> dict:
         """What makes two invocations the same suite (the variant list may grow between them)."""
-        return dict(model=self.model, precision=self.precision, train_iters=self.train_iters,
-                    log_interval=self.log_interval, eval_iters=self.eval_iters, nproc=self.nproc,
-                    mock_data=self.mock_data, shared=self.shared, variant_flags=self.variant_flags)
+        identity = dict(model=self.model, precision=self.precision, train_iters=self.train_iters,
+                        log_interval=self.log_interval, eval_iters=self.eval_iters, nproc=self.nproc,
+                        mock_data=self.mock_data, shared=self.shared, variant_flags=self.variant_flags)
+        if self.axis != "pretrain":  # (a pretraining suite's identity is what it was before the axes)
+            identity.update(axis=self.axis, peft_base=self.peft_base)
+        return identity
 
     def base_flags(self) -> List[str]:
         # Validation once, after training (megatron.training's final evaluation), on --eval-iters batches.
         flags = ["--model", self.model, "--train-iters", str(self.train_iters), "--log-interval",
-                 str(self.log_interval), "--eval-iters", str(self.eval_iters), "--eval-interval", str(10 ** 9),
-                 *RECIPE]
-        named = {"--mock-data", "--data-path", "--embedded-corpus"} & {f.split("=", 1)[0] for f in self.shared}
+                 str(self.log_interval), "--eval-iters", str(self.eval_iters), "--eval-interval", str(10 ** 9)]
+        given = {f.split("=", 1)[0] for f in self.shared}
+        if self.axis == "finetune":
+            # the SFT rows every machine has, unless the flags name others
+            sft = [] if {"--sft-data", "--embedded-sft"} & given else ["--embedded-sft", "stdlib"]
+            return flags + FINETUNE_RECIPE + sft + self.shared
+        flags += RECIPE
+        named = {"--mock-data", "--data-path", "--embedded-corpus"} & given
         if self.mock_data and "--mock-data" not in named:
             flags.append("--mock-data")
         elif not named:
@@ -207,7 +259,16 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="directory for runs, state, table, JSON, CSV, plots and tb/")
     p.add_argument("--model", default="eff-0.5b", help="base preset: " + ", ".join(arguments.PRESETS))
-    p.add_argument("--variants", default="all", help="comma list of: " + ", ".join(VARIANTS) + "; or all")
+    p.add_argument("--axis", choices=AXES, default="pretrain",
+                   help="pretrain: architecture and precision variants trained from scratch; finetune: full "
+                        "fine-tuning and the PEFT methods of --peft-base on SFT rows (--embedded-sft stdlib unless "
+                        "the flags after '--' name --sft-data)")
+    p.add_argument("--peft-base", default=None, metavar="CKPT",
+                   help="--axis finetune: the base checkpoint every variant starts from (a pretraining run's --save "
+                        "directory of the same --model, or a litespark-convert import)")
+    p.add_argument("--variants", default="all",
+                   help="comma list of: " + ", ".join(VARIANTS) + " (--axis finetune: " +
+                        ", ".join(FINETUNE_VARIANTS) + "); or all")
     p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                    help="precision of the non-precision variants")
     p.add_argument("--train-iters", type=positive_int, default=200, help="optimizer steps per variant")
@@ -244,16 +305,17 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     shared = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     ns = _build_parser().parse_args(own)
-    names = parse_variant_names(ns.variants)
+    names = parse_variant_names(ns.variants, ns.axis)
+    variants = AXIS_VARIANTS[ns.axis]
     rerun = [n.strip() for n in ns.rerun.split(",") if n.strip()]
-    unknown = [n for n in rerun if n not in VARIANTS]
+    unknown = [n for n in rerun if n not in variants]
     if unknown:
-        raise UserError(f"--rerun: unknown variant(s) {', '.join(unknown)}; choose from: {', '.join(VARIANTS)}")
+        raise UserError(f"--rerun: unknown variant(s) {', '.join(unknown)}; choose from: {', '.join(variants)}")
     variant_flags: Dict[str, List[str]] = {}
     for item in ns.variant_flags:
         name, sep, flags = item.partition("=")
-        if not sep or name not in VARIANTS:
-            raise UserError(f"--variant-flags {item!r}: expected NAME=FLAGS with NAME one of {', '.join(VARIANTS)}")
+        if not sep or name not in variants:
+            raise UserError(f"--variant-flags {item!r}: expected NAME=FLAGS with NAME one of {', '.join(variants)}")
         variant_flags.setdefault(name, []).extend(shlex.split(flags))
     for flag in shared + [f for flags in variant_flags.values() for f in flags]:
         key = flag.split("=", 1)[0]
@@ -262,12 +324,36 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                             f"--log-interval/--eval-iters options): leave it out of the litespark-train flags")
     if ns.model not in arguments.PRESETS:
         raise UserError(f"unknown --model '{ns.model}'; choose one of: {', '.join(arguments.PRESETS)}")
+    peft_base = _check_axis(ns, shared)
     return Settings(out=Path(ns.out), model=ns.model, variants=names, precision=ns.precision,
                     train_iters=ns.train_iters, log_interval=ns.log_interval, eval_iters=ns.eval_iters,
                     nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
                     timeout=ns.timeout, time_budget=ns.time_budget, rerun=rerun, variant_flags=variant_flags,
                     shared=shared, allow_degraded=ns.allow_degraded, repeats=ns.repeats,
-                    report_only=ns.report_only)
+                    report_only=ns.report_only, axis=ns.axis, peft_base=peft_base)
+
+
+def _check_axis(ns, shared: List[str]) -> Optional[str]:
+    """The fine-tuning axis's base and data against the options; its base as an absolute path (the runs' flags and
+    the suite's identity name it so)."""
+    if ns.axis == "pretrain":
+        if ns.peft_base is not None:
+            raise UserError("--peft-base is the base of --axis finetune; the pretraining axis trains from scratch: add "
+                            "--axis finetune, or drop it")
+        return None
+    if ns.peft_base is None:
+        raise UserError("--axis finetune fine-tunes a base model: give --peft-base CKPT (a pretraining run's --save "
+                        "directory of the same --model, or a litespark-convert import)")
+    data = {"--mock-data", "--data-path", "--embedded-corpus"} & {f.split("=", 1)[0] for f in shared}
+    if ns.mock_data or data:
+        raise UserError(f"{'--mock-data' if ns.mock_data else sorted(data)[0]} with --axis finetune: the fine-tuning "
+                        "axis trains on SFT rows (--embedded-sft stdlib by default, or --sft-data after '--')")
+    if not ns.report_only:
+        from ..checkpoint_dir import latest_checkpoint_dir
+
+        if latest_checkpoint_dir(ns.peft_base) is None:
+            raise UserError(f"--peft-base {ns.peft_base}: no checkpoint there (no latest_checkpointed_iteration.txt)")
+    return os.path.abspath(ns.peft_base)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -281,11 +367,12 @@ def plan(settings: Settings, plat) -> Dict[str, dict]:
     planned, problems = {}, []
     base_vocab = functools.lru_cache(maxsize=None)(lambda: arguments.model_vocab_size(base))
     for name in settings.variants:
-        variant = VARIANTS[name]
+        variant = settings.variant_table[name]
         flags = []
         try:
             flags = settings.base_flags() + PRECISIONS[variant.precision or settings.precision] + \
-                variant.flags(base, te) + settings.variant_flags.get(name, [])
+                variant.flags(base, te) + settings.variant_flags.get(name, []) + \
+                ([variant.base_flag, settings.peft_base] if variant.base_flag else [])
             args = arguments.resolve_quietly(flags, plat)
             arguments.check_run(args, plat, settings.nproc)
         except UserError as e:
@@ -368,6 +455,8 @@ def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> d
     shutil.rmtree(run_dir, ignore_errors=True)  # a half-done run's metrics would otherwise be appended to
     run_dir.mkdir(parents=True)
     argv = flags + ["--metrics-file", str(run_dir / "metrics.jsonl"), "--tensorboard-dir", str(run_dir / "tb")]
+    if settings.axis == "finetune":  # one checkpoint at the end: its size is a fine-tuning method's measurement
+        argv += ["--save", str(run_dir / CHECKPOINT_DIR), "--save-interval", str(settings.train_iters)]
     if settings.nproc == 1:
         cmd = [sys.executable, "-m", "litespark_megatron", *argv]
     else:
@@ -391,10 +480,27 @@ def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> d
     entry = dict(flags=flags, returncode=rc, seconds=round(time.time() - started, 1))
     if rc == 0 and _completed(run_dir / "metrics.jsonl"):
         entry["status"] = "done"
+        if settings.axis == "finetune":
+            entry["checkpoint_bytes"] = _checkpoint_bytes(run_dir / CHECKPOINT_DIR)
     else:
         entry["status"] = classify_failure(rc, text) if rc != 0 else "failed"
         entry["error"] = failure_summary(rc, text) if rc != 0 else "the run ended without its final record"
     return entry
+
+
+CHECKPOINT_DIR = "checkpoint"
+
+
+def _checkpoint_bytes(directory: Path) -> Optional[int]:
+    """Bytes of the run's last checkpoint (the iteration directory its tracker names), or None when none was saved.
+    The checkpoint is removed once measured: a suite of whole-model checkpoints (with optimizer state) per variant
+    and repeat would fill the disk, and only its size is a measurement."""
+    from ..checkpoint_dir import latest_checkpoint_dir
+
+    latest = latest_checkpoint_dir(str(directory)) if directory.exists() else None
+    size = sum(f.stat().st_size for f in Path(latest).rglob("*") if f.is_file()) if latest else None
+    shutil.rmtree(directory, ignore_errors=True)
+    return size
 
 
 def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
@@ -464,6 +570,8 @@ def summarize_metrics(records: List[dict], warmup_intervals: int = 1, params_ove
     health = backend_probe.from_metrics(records)
     out = dict(
         params=params,
+        trainable_params=start.get("trainable_params"),
+        flops_convention=start.get("flops_convention"),
         world_size=world,
         flops_per_token=(start["flops_per_step_full"] / start["tokens_per_step"]
                          if start.get("flops_per_step_full") and start.get("tokens_per_step") else None),
@@ -516,13 +624,27 @@ METRICS = (  # (key, column title, format) in table order
     ("tokens_per_sec", "tokens/s", "{:,.0f}"),
     ("peak_mem_gb", "peak alloc (GB)", "{:.2f}"),
 )
+# The fine-tuning axis's table: EfficientLLM's fine-tuning metrics (AMU, PCU, AL, AEC, loss) with tokens/s, J/token,
+# peak memory and the checkpoint a method saves; PCU there is MFU in the trainer's "peft" FLOP convention.
+FINETUNE_METRICS = (
+    ("val_loss", "val loss", "{:.4f}"),
+    ("amu_gb", "AMU (GB)", "{:.2f}"),
+    ("pcu", "PCU", "{:.1%}"),
+    ("al_s", "AL (s/it)", "{:.4f}"),
+    ("tokens_per_sec", "tokens/s", "{:,.0f}"),
+    ("aec_w", "AEC (W)", "{:.0f}"),
+    ("j_per_token", "J/token", "{:.4g}"),
+    ("peak_mem_gb", "peak alloc (GB)", "{:.2f}"),
+    ("checkpoint_mb", "checkpoint (MB)", "{:,.2f}"),
+)
 # The numbers given with their spread over repeats (mean and 95% interval; findings.py).
 SPREAD_KEYS = ("val_ppl", "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec",
-               "aec_w", "aec_w_per_gpu", "j_per_token")
+               "aec_w", "aec_w_per_gpu", "j_per_token", "checkpoint_mb")
 CSV_FIELDS = ("variant", "status", "same_run_as", "what", "params", "params_active", "repeats_done", "val_ppl",
               "val_loss", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec", "aec_w",
               "aec_w_per_gpu", "j_per_token", "val_ppl_ci95", "amu_gb_ci95", "pcu_ci95", "al_s_ci95",
               "tokens_per_sec_ci95", "j_per_token_ci95", "tokens_per_sec_range", "flops_per_token", "energy_kwh",
+              "trainable_params", "flops_convention", "checkpoint_mb", "val_loss_ci95",
               "host_rss_gb", "intervals_used", "steps_measured", "attention", "degraded", "data", "error", "flags")
 
 
@@ -547,7 +669,7 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
     rows = []
     for name in settings.variants:
         entry = planned[name]
-        row = dict(variant=name, what=VARIANTS[name].what, status="not run", same_run_as=None,
+        row = dict(variant=name, what=settings.variant_table[name].what, status="not run", same_run_as=None,
                    flags=" ".join(entry["flags"]), error=None, repeats_done=0, spread={})
         args = entry.get("args")
         counts = _params_of(args, entry.get("vocab")) if args is not None else dict(total=None, active=None)
@@ -564,6 +686,8 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
                 statuses.append(source_entry.get("status", "not run"))
                 summary = _run_summary(settings, source, counts) if statuses[-1] == "done" else None
                 if summary is not None:
+                    size = source_entry.get("checkpoint_bytes")
+                    summary["checkpoint_mb"] = size / 1e6 if size is not None else None
                     summaries.append(summary)
                 elif source_entry.get("error"):
                     errors.append(source_entry["error"])
@@ -608,19 +732,26 @@ def _fmt(value, spec: str) -> str:
     return spec.format(value)
 
 
+def table_metrics(settings: Settings) -> tuple:
+    return FINETUNE_METRICS if settings.axis == "finetune" else METRICS
+
+
 def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
-    head = ["variant", "params"] + [title for _, title, _ in METRICS] + ["attention", "status"]
+    metrics = table_metrics(settings)
+    head = ["variant", "params"] + [title for _, title, _ in metrics] + ["attention", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         params = f"{r['params'] / 1e6:,.1f}M" if r.get("params") else "?"
         if r.get("params_active") and r.get("params") and r["params_active"] != r["params"]:
             params += f" ({r['params_active'] / 1e6:,.1f}M active)"
+        if settings.axis == "finetune" and r.get("trainable_params") is not None:
+            params += f", {r['trainable_params'] / 1e6:,.3f}M trainable"
         status = r["status"] + (f" (same run as {r['same_run_as']})" if r.get("same_run_as") else "")
         if not r["repeats_done"]:
-            cells = [r["status"].upper() if r["status"] == "oom" else "-" for _ in METRICS] + ["-"]
+            cells = [r["status"].upper() if r["status"] == "oom" else "-" for _ in metrics] + ["-"]
             status += f": {r.get('error') or ''}".rstrip(": ")
         else:
-            cells = [_fmt_spread(r, key, spec) for key, _, spec in METRICS] + [r.get("attention") or "not recorded"]
+            cells = [_fmt_spread(r, key, spec) for key, _, spec in metrics] + [r.get("attention") or "not recorded"]
             if r.get("degraded"):
                 status += f", DEGRADED: {r['degraded']}"
         lines.append("| " + " | ".join([r["variant"], params] + cells + [status.replace("|", "/")]) + " |")
@@ -645,6 +776,24 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
     elif data:  # runs on other machines (another Python's standard library) or other data flags
         notes.append("**The runs did not all train on the same data**: " +
                      "; ".join(f"{d} ({', '.join(names)})" for d, names in data.items()) + ".")
+    if settings.axis == "finetune":
+        notes += [
+            f"Fine-tuning axis: every variant starts from `{settings.peft_base}` (`{settings.model}`) and trains "
+            f"{settings.train_iters} steps, precision {settings.precision}, {settings.nproc} process(es) on {device}; "
+            f"recipe `{' '.join(FINETUNE_RECIPE)}`; shared flags: `{' '.join(settings.shared) or '(none)'}`.",
+            f"Intervals of {settings.log_interval} steps; the first {settings.warmup_intervals} left out of the time "
+            f"averages when more remain. val loss: validation loss per response token at the end "
+            f"({settings.eval_iters} batches). tokens/s and J/token count the rows' non-padding tokens. PCU: "
+            "time-averaged MFU in the trainer's FLOP convention (`peft` for the PEFT variants: no weight gradient for "
+            "frozen weights, forward only below the lowest trainable layer; `standard` for full). trainable: the "
+            "parameters the optimizer updates. checkpoint: the bytes of the checkpoint the run saves at its end "
+            "(full: the model and its optimizer state; the LoRA family: the adapters and theirs, "
+            "--save-adapters-only; freeze: the model and the trained layers' optimizer state). Definitions: "
+            "docs/metrics.md, 'EfficientLLM metrics'.",
+            "\"not measured\": the trainer could not measure it on this machine (GPU memory, MFU and power need a "
+            "GPU; MFU needs a known peak or --peak-tflops).",
+        ]
+        return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
     notes += [
         f"Base `{settings.model}`, {settings.train_iters} steps per variant, precision {settings.precision} unless "
         f"the variant is a precision, {settings.nproc} process(es) on {device}; shared flags: "
@@ -780,7 +929,8 @@ def write_tensorboard(rows: List[dict], out: Path, table: str) -> None:
         step = r.get("steps_measured") or 0
         if r["repeats_done"]:
             for key in ("val_ppl", "amu_gb", "peak_mem_gb", "pcu", "pcu_causal", "al_s", "tt", "tokens_per_sec",
-                        "aec_w", "aec_w_per_gpu", "j_per_token", "params"):
+                        "aec_w", "aec_w_per_gpu", "j_per_token", "params", "val_loss", "trainable_params",
+                        "checkpoint_mb"):
                 value = r.get(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                     writer.add_scalar(f"suite/{key}", value, step)
@@ -796,11 +946,12 @@ def write_report(settings: Settings, planned: Dict[str, dict], state: dict, devi
 
     rows = collect_rows(settings, planned, state)
     table = markdown_table(rows, settings, device)
-    (settings.out / "efficiency.md").write_text(f"# Efficiency suite: {settings.model}\n\n" + table)
+    axis = " (fine-tuning axis)" if settings.axis == "finetune" else ""
+    (settings.out / "efficiency.md").write_text(f"# Efficiency suite: {settings.model}{axis}\n\n" + table)
     spreads = {r["variant"]: r["spread"] for r in rows}
     header = (f"# EfficientLLM's findings against this suite: {settings.model}, {settings.repeats} repeat(s), "
               f"{settings.train_iters} steps per run, on {device}")
-    (settings.out / "findings.md").write_text(findings.markdown(findings.evaluate(spreads), header))
+    (settings.out / "findings.md").write_text(findings.markdown(findings.evaluate(spreads, settings.axis), header))
     write_json_csv(rows, settings, device)
     write_plots(rows, settings.out)
     write_tensorboard(rows, settings.out, table)
@@ -911,7 +1062,7 @@ def run_suite(settings: Settings, log=print) -> int:
             state["variants"][run_id] = dict(key=key, status="running", flags=flags,
                                              started=time.strftime("%Y-%m-%dT%H:%M:%S"))
             save_state(settings.out, state)  # a crash from here on leaves it 'running': the next invocation re-runs it
-            log(f"{run_id}: training ({VARIANTS[name].what}) ...")
+            log(f"{run_id}: training ({settings.variant_table[name].what}) ...")
             result = run_variant(settings, run_id, flags)
             state["variants"][run_id] = dict(key=key, **result)
             save_state(settings.out, state)

@@ -25,6 +25,14 @@ Attention-core conventions (the only place where published counters disagree):
 
 The two differ by 6 * L * s * n * d_head training FLOPs per token (10% of the "half" total for llama-3b at
 s=4096, growing with s), so an MFU figure means little unless its convention is named.
+
+Fine-tuning (``peft``: a ``PeftShape``) has a second convention, ``"peft"``, beside ``"standard"`` (every weight
+trains, 3 x forward): a frozen weight gets no weight gradient, and a GEMM's input gradient is counted only where its
+input carries a gradient (a trainable parameter comes before it in the forward), as autograd and megatron-core's
+frozen linear compute them. So a frozen linear costs 4 FLOPs per weight per token above the lowest trainable
+parameter and 2 (forward only) below it, the attention core 3x its forward above it and 1x below, and the adapters
+are GEMMs of their own (A: r x in, B: out x r; DoRA also recomputes B A and, with dropout, the base GEMM on the
+dropped input: peft's DoraLinearLayer).
 """
 from __future__ import annotations
 
@@ -39,6 +47,13 @@ CAUSAL_CONVENTIONS = {
             "(NeMo performance-table convention; what torch FlopCounterMode measures on explicit matmuls)",
 }
 RECOMPUTE_CHOICES = (None, "full", "selective")
+FLOP_CONVENTIONS = {
+    "standard": "every weight trains: training = 3 x forward (an input and a weight gradient per GEMM)",
+    "peft": "frozen weights get no weight gradient; a GEMM's input gradient only where a trainable parameter comes "
+            "before it in the forward (forward only below the lowest trainable layer); adapter GEMMs counted",
+}
+# The linears of a dense Llama layer that LoRA/DoRA adapt (megatron-core's names; layers/adapters.py TARGETS).
+ADAPTER_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def _check_causal(causal: str) -> None:
@@ -122,6 +137,38 @@ class NSAShape:
         bs = self.block_size
         return sum((t + 1) // bs + (min(self.selected_blocks, t // bs + 1) - 1) * bs + t % bs + 1
                    + min(self.window, t + 1) for t in range(s))
+
+
+@dataclass(frozen=True)
+class PeftShape:
+    """What trains in a fine-tuning run (litespark --peft): ``lora``/``dora``: adapters of rank ``rank`` on the
+    ``targets`` of every layer (with ``dropout`` on their input; DoRA then runs the base GEMM a second time), all
+    else frozen; ``freeze``: the last ``trainable_layers`` layers, all else (embedding, final norm, output layer)
+    frozen."""
+
+    method: str
+    rank: int = 0
+    targets: Tuple[str, ...] = ADAPTER_TARGETS
+    trainable_layers: Optional[int] = None
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.method not in ("lora", "dora", "freeze"):
+            raise ValueError(f"PeftShape.method must be lora, dora or freeze, got {self.method!r}")
+        if self.method == "freeze":
+            if not isinstance(self.trainable_layers, int) or self.trainable_layers < 1:
+                raise ValueError(f"freeze needs trainable_layers >= 1, got {self.trainable_layers!r}")
+            return
+        if self.rank < 1:
+            raise ValueError(f"{self.method} needs rank >= 1, got {self.rank}")
+        unknown = [t for t in self.targets if t not in ADAPTER_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"targets must be some of {', '.join(ADAPTER_TARGETS)}, got {list(self.targets)}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def adapters(self) -> bool:
+        return self.method in ("lora", "dora")
 
 
 @dataclass(frozen=True)
@@ -250,6 +297,7 @@ class FlopBreakdown:
     experts: float = 0
     shared_experts: float = 0
     logits: float = 0
+    adapters: float = 0  # fine-tuning: LoRA/DoRA's A and B GEMMs and DoRA's recomputed B A
 
     @property
     def total(self) -> float:
@@ -310,6 +358,85 @@ def layer_forward_per_sequence(shape: ModelShape, index: int, causal: str) -> Fl
     return FlopBreakdown(**parts)
 
 
+def _adapted_linears(shape: ModelShape) -> dict:
+    """target -> (input width, output rows of each projection an adapter has on it), as layers/adapters.py builds
+    them: one adapter per projection of a fused linear (q, k, v of linear_qkv; gate and up of linear_fc1)."""
+    h, n, g, d, f = (shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, shape.kv_channels,
+                     shape.ffn_hidden_size)
+    return {"linear_qkv": (h, (n * d, g * d, g * d)), "linear_proj": (n * d, (h,)),
+            "linear_fc1": (h, (f,) * (shape.ffn_matrices - 1)), "linear_fc2": (f, (h,))}
+
+
+def _check_peft(shape: ModelShape, peft: "PeftShape") -> None:
+    if peft.adapters and (shape.moe is not None or shape.mla is not None or shape.nsa is not None):
+        raise ValueError(f"--peft {peft.method}: adapters are counted on the dense Llama layer's four linears (no MoE, "
+                         "MLA or NSA), as they are built")
+
+
+def _peft_layer(shape: ModelShape, peft: "PeftShape", index: int, causal: str, carried: bool):
+    """(training FLOPs, forward FLOPs) of layer `index` for one sequence in the peft convention, and whether its
+    output carries a gradient. `carried`: whether its input does (a trainable parameter before it)."""
+    s = shape.seq_length
+    forward = layer_forward_per_sequence(shape, index, causal)
+    if peft.method == "freeze":
+        if index >= shape.num_layers - peft.trainable_layers:  # a trained layer: its input norm trains too
+            return forward.scaled(3), forward, True
+        if not carried:
+            return forward, forward, False
+        # frozen, with a gradient through it: input gradients alone (the attention core's are all of its backward)
+        frozen = forward.scaled(2) + FlopBreakdown(attn_scores=forward.attn_scores, attn_values=forward.attn_values)
+        return frozen, forward, True
+    # lora/dora: walk the layer's GEMMs in forward order; a frozen GEMM's input gradient only where its input
+    # carries one, an adapter's A likewise, its B always (A before it trains).
+    train, fwd = dict(mlp=0), dict(mlp=0)
+    part = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+    adapters_train = adapters_fwd = 0
+    dropout_rerun = peft.method == "dora" and peft.dropout > 0  # peft's DoRA: W on the dropped input again
+
+    def linear(target, c):
+        nonlocal adapters_train, adapters_fwd
+        width, outs = _adapted_linears(shape)[target]
+        weight_fwd = 2 * s * width * sum(outs)
+        runs = 2 if (dropout_rerun and target in peft.targets) else 1
+        train[part[target]] = train.get(part[target], 0) + runs * weight_fwd * (2 if c else 1)
+        fwd[part[target]] = fwd.get(part[target], 0) + runs * weight_fwd
+        if target not in peft.targets:
+            return c
+        a_fwd, b_fwd = 2 * s * peft.rank * width * len(outs), 2 * s * peft.rank * sum(outs)
+        adapters_train += a_fwd * (3 if c else 2) + 3 * b_fwd
+        adapters_fwd += a_fwd + b_fwd
+        return True
+
+    c = linear("linear_qkv", carried)
+    train["attn_scores"], train["attn_values"] = (forward.attn_scores * (3 if c else 1),
+                                                  forward.attn_values * (3 if c else 1))
+    fwd["attn_scores"], fwd["attn_values"] = forward.attn_scores, forward.attn_values
+    c = linear("linear_proj", c)
+    c = linear("linear_fc1", c)  # the residual adds the layer's input: c already covers it
+    c = linear("linear_fc2", c)
+    return (FlopBreakdown(adapters=adapters_train, **train), FlopBreakdown(adapters=adapters_fwd, **fwd), c)
+
+
+def _dora_weight_norms(shape: ModelShape, peft: "PeftShape", layers) -> int:
+    """DoRA's B A of every adapted projection of `layers`, once per forward call (its row norm, detached)."""
+    if peft.method != "dora":
+        return 0
+    per_layer = sum(2 * out * peft.rank * width for target, (width, outs) in _adapted_linears(shape).items()
+                    if target in peft.targets for out in outs)
+    return per_layer * len(list(layers))
+
+
+def _peft_training_per_sequence(shape: ModelShape, peft: "PeftShape", causal: str, carried: bool = False):
+    """(training FLOPs, forward FLOPs by layer) of one sequence in the peft convention; the embedding is frozen, so
+    the first layer's input carries no gradient unless `carried` (a run whose embedding output is made to need one)."""
+    total, forwards = FlopBreakdown(), []
+    for i in range(shape.num_layers):
+        train, fwd, carried = _peft_layer(shape, peft, i, causal, carried)
+        total, forwards = total + train, forwards + [fwd]
+    logits = 2 * shape.seq_length * shape.hidden_size * shape.vocab_size  # frozen output layer: no weight gradient
+    return total + FlopBreakdown(logits=logits * (2 if carried else 1)), forwards
+
+
 def _forward_per_sequence(shape: ModelShape, causal: str) -> FlopBreakdown:
     total = FlopBreakdown()
     for i in range(shape.num_layers):
@@ -341,6 +468,7 @@ class TrainingFlops:
     recomputed_layers: int
     model_breakdown: FlopBreakdown
     recompute_breakdown: FlopBreakdown
+    flops_convention: str = "standard"  # FLOP_CONVENTIONS: "peft" for a fine-tuning run with frozen weights
 
     @property
     def model_flops_per_token(self) -> float:
@@ -356,17 +484,24 @@ class TrainingFlops:
                     hardware_flops_per_token=self.hardware_flops_per_token, causal=self.causal,
                     convention=self.convention, recompute=self.recompute,
                     recomputed_layers=self.recomputed_layers, model_breakdown=self.model_breakdown.as_dict(),
-                    recompute_breakdown=self.recompute_breakdown.as_dict())
+                    recompute_breakdown=self.recompute_breakdown.as_dict(), flops_convention=self.flops_convention)
 
 
 def training_flops_per_step(shape: ModelShape, global_batch_size: int, causal: str = "half",
                             recompute: Optional[str] = None,
-                            recomputed_layers: Optional[Iterable[int]] = None) -> TrainingFlops:
+                            recomputed_layers: Optional[Iterable[int]] = None,
+                            peft: Optional[PeftShape] = None,
+                            micro_batch_size: Optional[int] = None) -> TrainingFlops:
     """Model and hardware FLOPs of one step of ``global_batch_size`` sequences of ``shape.seq_length`` tokens.
 
     ``recompute``: None; ``"full"``: the transformer layers listed in ``recomputed_layers`` (default: all) run
     their forward twice (the logits GEMM is outside the checkpointed layers and is not rerun);
     ``"selective"``: the attention core (Q K^T and P V, megatron-core's default ``core_attn`` module) runs twice.
+
+    ``peft``: a fine-tuning run, counted in the "peft" convention (module docstring); DoRA's weight norms run once
+    per forward call, so a DoRA run needs ``micro_batch_size`` (global batch / micro-batch calls per step). With full
+    recomputation the frozen embedding's output is made to need a gradient (peft.apply: a reentrant checkpoint
+    trains nothing otherwise), so hardware FLOPs then add the input gradients below the lowest trainable layer too.
     """
     _check_causal(causal)
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
@@ -375,6 +510,9 @@ def training_flops_per_step(shape: ModelShape, global_batch_size: int, causal: s
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
     if recomputed_layers is not None and recompute != "full":
         raise ValueError("recomputed_layers only applies to recompute='full'")
+    if peft is not None:
+        return _peft_training_flops(shape, global_batch_size, causal, recompute, recomputed_layers, peft,
+                                    micro_batch_size)
     forward = _forward_per_sequence(shape, causal)
     extra = FlopBreakdown()
     layers = []
@@ -397,6 +535,47 @@ def training_flops_per_step(shape: ModelShape, global_batch_size: int, causal: s
                          tokens=global_batch_size * shape.seq_length, causal=causal,
                          convention=CAUSAL_CONVENTIONS[causal], recompute=recompute,
                          recomputed_layers=len(layers), model_breakdown=model, recompute_breakdown=extra)
+
+
+def _recomputed(shape: ModelShape, recompute: Optional[str], recomputed_layers) -> list:
+    if recompute == "full":
+        layers = sorted(set(range(shape.num_layers) if recomputed_layers is None else recomputed_layers))
+        if layers and not 0 <= layers[0] <= layers[-1] < shape.num_layers:
+            raise ValueError(f"recomputed_layers must be layer indices in [0, {shape.num_layers}), got {layers}")
+        return layers
+    return list(range(shape.num_layers)) if recompute == "selective" else []
+
+
+def _peft_training_flops(shape, global_batch_size, causal, recompute, recomputed_layers, peft,
+                         micro_batch_size) -> TrainingFlops:
+    """training_flops_per_step of a fine-tuning run (its docstring)."""
+    _check_peft(shape, peft)
+    calls = 0
+    if peft.method == "dora":
+        if not micro_batch_size or global_batch_size % micro_batch_size:
+            raise ValueError(f"DoRA's FLOPs need the micro-batch size (forward calls per step), a divisor of the "
+                             f"global batch {global_batch_size}; got {micro_batch_size!r}")
+        calls = global_batch_size // micro_batch_size
+    train, forwards = _peft_training_per_sequence(shape, peft, causal)
+    model = train.scaled(global_batch_size) + \
+        FlopBreakdown(adapters=calls * _dora_weight_norms(shape, peft, range(shape.num_layers)))
+    layers = _recomputed(shape, recompute, recomputed_layers)
+    extra = FlopBreakdown()
+    if recompute == "full":
+        runs, _ = _peft_training_per_sequence(shape, peft, causal, carried=True)
+        extra = (runs + FlopBreakdown(**{k: -v for k, v in train.as_dict().items()})).scaled(global_batch_size)
+        for i in layers:
+            extra = extra + forwards[i].scaled(global_batch_size)
+        extra = extra + FlopBreakdown(adapters=calls * _dora_weight_norms(shape, peft, layers))
+    elif recompute == "selective":
+        for i in layers:
+            extra = extra + FlopBreakdown(attn_scores=forwards[i].attn_scores,
+                                          attn_values=forwards[i].attn_values).scaled(global_batch_size)
+    model_total, extra_total = int(model.total), int(extra.total)
+    return TrainingFlops(model_flops=model_total, hardware_flops=model_total + extra_total,
+                         tokens=global_batch_size * shape.seq_length, causal=causal,
+                         convention=CAUSAL_CONVENTIONS[causal], recompute=recompute, recomputed_layers=len(layers),
+                         model_breakdown=model, recompute_breakdown=extra, flops_convention="peft")
 
 
 def recompute_from_args(args, pipeline_model_parallel_size: Optional[int] = None,
@@ -451,6 +630,21 @@ class ParamCount:
         return d
 
 
+def _layer_params(shape: ModelShape, index: int, attention_and_norms: int) -> Tuple[int, int]:
+    """(all, active) parameters of layer `index`, given its attention's and norms' weights."""
+    h = shape.hidden_size
+    if shape.is_moe_layer(index):
+        moe = shape.moe
+        f_moe = moe.moe_ffn_hidden_size or shape.ffn_hidden_size
+        expert = shape.ffn_matrices * h * f_moe
+        shared = shape.ffn_matrices * h * (moe.moe_shared_expert_intermediate_size or 0)
+        router = moe.num_experts * h
+        base = attention_and_norms + router + shared
+        return base + moe.num_experts * expert, base + moe.moe_router_topk * expert
+    mlp = shape.ffn_matrices * h * shape.ffn_hidden_size
+    return attention_and_norms + mlp, attention_and_norms + mlp
+
+
 def param_count(shape: ModelShape) -> ParamCount:
     """Weights of a Llama-style model: RMSNorm weights (no bias), no linear biases."""
     h, n = shape.hidden_size, shape.num_attention_heads
@@ -468,19 +662,9 @@ def param_count(shape: ModelShape) -> ParamCount:
     norms = 2 * h  # input_layernorm and pre_mlp_layernorm
     total_layers = active_layers = 0
     for i in range(shape.num_layers):
-        base = attn + norms
-        if shape.is_moe_layer(i):
-            moe = shape.moe
-            f_moe = moe.moe_ffn_hidden_size or shape.ffn_hidden_size
-            expert = shape.ffn_matrices * h * f_moe
-            shared = shape.ffn_matrices * h * (moe.moe_shared_expert_intermediate_size or 0)
-            router = moe.num_experts * h
-            total_layers += base + router + shared + moe.num_experts * expert
-            active_layers += base + router + shared + moe.moe_router_topk * expert
-        else:
-            mlp = shape.ffn_matrices * h * shape.ffn_hidden_size
-            total_layers += base + mlp
-            active_layers += base + mlp
+        total, active = _layer_params(shape, i, attn + norms)
+        total_layers += total
+        active_layers += active
     embedding = shape.vocab_size * h
     output = embedding if shape.untie_embeddings_and_output_weights else 0
     final_norm = h
@@ -488,3 +672,21 @@ def param_count(shape: ModelShape) -> ParamCount:
                       output_layer=output, transformer_layers=total_layers, final_norm=final_norm,
                       active=embedding + output + active_layers + final_norm)
 
+
+
+def trainable_params(shape: ModelShape, peft: Optional[PeftShape] = None) -> int:
+    """Parameters a run trains: all (``peft`` None), the last K layers (freeze), or the adapters (lora: A r x in and
+    B out x r per projection; dora: and a magnitude per output row) of every layer."""
+    if peft is None:
+        return param_count(shape).total
+    _check_peft(shape, peft)
+    if peft.method == "freeze":
+        per_layer = param_count(dataclasses.replace(shape, num_layers=1, moe=None)).transformer_layers
+        if shape.moe is None:
+            return per_layer * peft.trainable_layers
+        attention_and_norms = per_layer - shape.ffn_matrices * shape.hidden_size * shape.ffn_hidden_size
+        return sum(_layer_params(shape, i, attention_and_norms)[0]
+                   for i in range(shape.num_layers - peft.trainable_layers, shape.num_layers))
+    per_layer = sum(peft.rank * (width * len(outs) + sum(outs)) + (sum(outs) if peft.method == "dora" else 0)
+                    for target, (width, outs) in _adapted_linears(shape).items() if target in peft.targets)
+    return per_layer * shape.num_layers
