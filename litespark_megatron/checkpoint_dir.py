@@ -307,7 +307,11 @@ def _failed(error: BaseException, args, what: str) -> None:
         fix = "free space there" if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT) else \
             "fix the storage"
         latest = tracked_iteration(save_dir)
-        if latest is None:
+        if cause is None and _refused_contents(error):  # the same command would fail the same way
+            kept = "no checkpoint is complete yet" if latest is None else \
+                f"the checkpoint of iteration {latest} stays the latest"
+            then = f"{kept}; megatron-core refused what this run saves, not the storage: report this line"
+        elif latest is None:
             then = f"no checkpoint is complete yet: {fix} and start again"
         else:  # a run without --load of this directory starts from scratch, or is refused once it holds one
             resume = "start the same command again to resume from it" if loads_save(args) else \
@@ -372,6 +376,14 @@ def _storage_error(error: BaseException) -> Optional[OSError]:
             return e
     logged = re.fullmatch(r"\[Errno (\d+)\] (.*?)(?:: '(.*)')?", (_writer_errors.last or "").strip(), re.S)
     return OSError(int(logged.group(1)), logged.group(2), logged.group(3)) if logged else None
+
+
+def _refused_contents(error: BaseException) -> bool:
+    """megatron-core's dist_checkpointing refused the state dict itself (its sharding validation), before any
+    storage was involved."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    return any(isinstance(e, CheckpointingException) for e in _chain(error))
 
 
 def _cause(error: BaseException, storage: Optional[OSError]) -> str:

@@ -122,6 +122,13 @@ def check(args) -> None:
                               f"{args.num_layers})")
         if not 1 <= k <= args.num_layers:
             raise ConfigError(f"--trainable-layers {k}: give 1 to {args.num_layers} (the model's layers)")
+        if args.save and k < args.num_layers and not args.use_distributed_optimizer:
+            # megatron-core's plain optimizer saves its state per parameter, stacked over the layers like the
+            # weights: with some layers frozen the stack has holes, which its checkpoint validation refuses at the
+            # first save, after the training it would have kept.
+            raise ConfigError(f"--peft freeze --trainable-layers {k} with --save: megatron-core's plain optimizer "
+                              "cannot save the state of some layers of a stack; add --use-distributed-optimizer (one "
+                              "GPU or process is enough)")
         return
     _check_adapters(args)
 

@@ -266,6 +266,29 @@ def test_a_failed_saves_line_says_how_to_go_on_for_the_command_that_ran(tmp_path
         assert line.endswith(f" GB free there); {then}"), line
 
 
+def test_a_save_megatron_core_refuses_is_not_called_a_storage_fault(tmp_path, capsys):
+    """megatron-core's sharding validation refuses a state dict (as it did a --peft freeze optimizer's, whose state
+    covers some layers of a stacked tensor): no storage is at fault and the same command fails the same way, so the
+    line says that instead of "fix the storage and start again"."""
+    import pytest
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    x = _fake_save_dir(tmp_path / "x", [2], tracker=2)
+    empty = _fake_save_dir(tmp_path / "empty", [], tracker=None)
+    refused = CheckpointingException("Invalid sharding pattern validation. Errors: Invalid access pattern")
+    for args, kept in [(_args(x, load=x), "the checkpoint of iteration 2 stays the latest"),
+                       (_args(empty), "no checkpoint is complete yet")]:
+        with pytest.raises(SystemExit) as exited:
+            checkpoint_dir._failed(refused, args, "saving iteration 4")
+        assert exited.value.code == 1
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"litespark-train: error: saving iteration 4 to {args.save} failed "
+                               "(CheckpointingException: Invalid sharding pattern validation."), line
+        assert line.endswith(f"); {kept}; megatron-core refused what this run saves, not the storage: report this "
+                             "line"), line
+        assert "fix the storage" not in line and "\n" not in line
+
+
 def test_the_cause_of_a_failed_write_is_the_one_megatron_core_logs(tmp_path, capsys):
     """megatron-core's writer keeps only the class of a failed write in the error it raises ("<class 'OSError'>")
     and logs the error itself: the line names the logged one."""

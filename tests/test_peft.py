@@ -287,6 +287,9 @@ def test_freeze_trains_the_last_layer_alone_with_a_pipeline_stage_that_has_nothi
     (["--peft", "freeze", "--peft-base", "{base}"], "--peft freeze trains the last layers of the model: give "
                                                     "--trainable-layers K (1 to 4)"),
     (["--peft", "freeze", "--peft-base", "{base}", "--trainable-layers", "5"], "--trainable-layers 5: give 1 to 4"),
+    (["--peft", "freeze", "--peft-base", "{base}", "--trainable-layers", "1", "--save", "{other}",
+      "--save-interval", "2"], "--peft freeze --trainable-layers 1 with --save: megatron-core's plain optimizer "
+                               "cannot save the state of some layers of a stack; add --use-distributed-optimizer"),
     (["--peft", "lora", "--peft-base", "{base}", "--trainable-layers", "1"], "--trainable-layers K trains the last "
                                                                              "K layers of --peft freeze"),
     (["--peft", "lora", "--peft-base", "{base}", "--lora-targets", "linear_q"], "--lora-targets linear_q: not a "
