@@ -70,8 +70,8 @@ RECIPE = ["--lr", "3e-4", "--min-lr", "0", "--lr-decay-style", "cosine", "--weig
 
 # The fine-tuning axis's recipe: EfficientLLM's released LLaMA-Factory settings for its 1B models (learning rate 5e-5,
 # cosine decay, 10% warm-up; HF Trainer's AdamW defaults: no weight decay, beta2 0.999, clip 1.0), one for every method.
-# The distributed optimizer for every variant alike: with the plain one, a torch_dist checkpoint of freeze (optimizer
-# state for the last layers of the stacked layer tensors only) fails megatron-core's sharding validation.
+# The distributed optimizer for every variant alike: the trainer refuses freeze with --save on the plain one (whose
+# optimizer state for the last layers of the stacked layer tensors only fails megatron-core's sharding validation).
 FINETUNE_RECIPE = ["--lr", "5e-5", "--min-lr", "0", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.1",
                    "--weight-decay", "0", "--adam-beta2", "0.999", "--use-distributed-optimizer"]
 
