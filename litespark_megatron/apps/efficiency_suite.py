@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .. import arguments
 from .. import backend_probe
 from ..errors import ConfigError, UserError
+from . import run_state
 
 STATE_FILE = "suite_state.json"
 STATE_VERSION = 1
@@ -400,27 +401,12 @@ def run_flags(settings: Settings, entry: dict, repeat: int) -> List[str]:
 
 # --------------------------------------------------------------------------------------------- state
 def load_state(out: Path, identity: dict) -> dict:
-    path = out / STATE_FILE
-    if not path.exists():
-        return dict(version=STATE_VERSION, settings=identity, variants={})
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable suite state ({e}); delete it to start the suite over") from None
-    if state.get("version") != STATE_VERSION or not isinstance(state.get("variants"), dict):
-        raise UserError(f"{path}: not a suite state this version writes; delete it to start the suite over")
-    if state.get("settings") != identity:
-        old = state.get("settings") or {}
-        differ = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
-        raise UserError(f"{out} holds a suite with other settings (different: {', '.join(differ)}); use another "
-                        f"--out, or the same settings to continue it")
-    return state
+    return run_state.load_state(out, STATE_FILE, STATE_VERSION, identity, entries="variants", what="suite",
+                                restart="start the suite over")
 
 
 def save_state(out: Path, state: dict) -> None:
-    tmp = out / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, out / STATE_FILE)
+    run_state.save_state(out, STATE_FILE, state)
 
 
 # --------------------------------------------------------------------------------------------- running

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import UserError
+from . import run_state
 from .inference_variants import DEFAULT_VARIANTS, VARIANTS, cannot_run_reason, parse_variant_names
 
 STATE_FILE = "bench_state.json"
@@ -253,27 +253,12 @@ def prepare_text(settings: Settings, config: dict, calibration: bool) -> Path:
 
 # --------------------------------------------------------------------------------------------- state
 def load_state(out: Path, identity: dict) -> dict:
-    path = out / STATE_FILE
-    if not path.exists():
-        return dict(version=STATE_VERSION, settings=identity, runs={})
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable benchmark state ({e}); delete it to start over") from None
-    if state.get("version") != STATE_VERSION or not isinstance(state.get("runs"), dict):
-        raise UserError(f"{path}: not a benchmark state this version writes; delete it to start over")
-    if state.get("settings") != identity:
-        old = state.get("settings") or {}
-        differ = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
-        raise UserError(f"{out} holds a benchmark with other settings (different: {', '.join(differ)}); use another "
-                        f"--out, or the same settings to continue it")
-    return state
+    return run_state.load_state(out, STATE_FILE, STATE_VERSION, identity, entries="runs", what="benchmark",
+                                restart="start over")
 
 
 def save_state(out: Path, state: dict) -> None:
-    tmp = out / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, out / STATE_FILE)
+    run_state.save_state(out, STATE_FILE, state)
 
 
 # --------------------------------------------------------------------------------------------- running
