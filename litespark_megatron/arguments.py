@@ -95,21 +95,25 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "logits in the backward: the micro-batch's logits (fp32 in the fused loss) are never whole "
                         "in memory, for the output layer's GEMM and the loss's forward once more (output_loss.py; "
                         "what it saves and costs: docs/benchmarks/)")
-    g.add_argument("--litespark-cross-entropy", action="store_true",
+    auto = (" Left out: on where it was measured to train as megatron-core's path does, and faster (a GPU with "
+            "Triton, --spec litespark on the te backend, BF16 or FP8, pretraining without CP), off elsewhere; the "
+            "run's health record names what ran")
+    g.add_argument("--litespark-cross-entropy", action=argparse.BooleanOptionalAction, default=None,
                    help="compute the loss with Litespark's vocab-parallel cross-entropy (kernels/cross_entropy.py; "
                         "Triton on a GPU, its plain-torch reference elsewhere) instead of megatron-core's: no fp32 "
                         "copy of the logits, whose memory takes their gradient in the backward; with "
-                        "--chunked-output-loss each chunk's loss runs it")
-    g.add_argument("--litespark-rmsnorm", action="store_true",
+                        "--chunked-output-loss each chunk's loss runs it." + auto)
+    g.add_argument("--litespark-rmsnorm", action=argparse.BooleanOptionalAction, default=None,
                    help="the Litespark layer's RMSNorms run Litespark's kernels (kernels/rms_norm.py; Triton on a GPU, "
                         "its plain-torch reference elsewhere), any hidden size at full bandwidth, instead of "
                         "Transformer Engine's norm inside its norm+GEMM module (te backend) or a compiled norm "
-                        "(local backend); checkpoints keep their keys")
-    g.add_argument("--litespark-rope", action="store_true",
+                        "(local backend); checkpoints keep their keys." + auto + " (in BF16 only: under FP8 TE's "
+                        "norm writes the GEMM's FP8 input)")
+    g.add_argument("--litespark-rope", action=argparse.BooleanOptionalAction, default=None,
                    help="the Litespark attention splits the QKV projection's output and applies RoPE with "
                         "Litespark's kernels (kernels/qkv_rope.py; Triton on a GPU, its plain-torch reference "
                         "elsewhere): one read and one write each way, instead of megatron-core's split, Transformer "
-                        "Engine's RoPE kernels, the value's copy and the gradients' concatenation")
+                        "Engine's RoPE kernels, the value's copy and the gradients' concatenation." + auto)
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -204,7 +208,10 @@ def as_flags(mapping: Dict[str, object], where: str) -> List[str]:
         if _switch(action):
             if not isinstance(value, bool):
                 raise ConfigError(f"{where}: '{key}' is a switch: write true or false, not {value!r}")
-            tokens += [option] if value else []
+            if isinstance(action, argparse.BooleanOptionalAction):  # left out means "auto": false says off
+                tokens += [option if value else "--no-" + option[2:]]
+            else:
+                tokens += [option] if value else []
             continue
         if value is None or isinstance(value, bool) or isinstance(value, dict):
             raise ConfigError(f"{where}: '{key}' takes a value ({action.metavar or action.dest}), not {value!r}")
@@ -392,6 +399,7 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_fp8_attention(args)
     if args.chunked_output_loss is not None:
         _check_chunked_output_loss(args, tp, cp)
+    resolve_kernels_auto(args, plat)
     if args.litespark_cross_entropy:
         _check_litespark_cross_entropy(args, plat)
     if args.litespark_rmsnorm:
@@ -827,11 +835,54 @@ def _check_litespark_rope(args, plat) -> None:
 def _check_triton(flag: str, plat) -> None:
     """A CPU runs a kernel's plain-torch reference (as it runs every layer's); a GPU asked for a Litespark kernel
     must run it."""
-    from .kernels import triton_available
+    from .kernels import triton_on
 
-    if plat.device_type == "cuda" and not triton_available():
+    if plat.device_type == "cuda" and not triton_on(plat):
         raise ConfigError(f"{flag} on a GPU runs Triton kernels, and Triton does not import here: install torch's "
                           "CUDA build with its triton, or drop the flag")
+
+
+# A kernel flag left out (None) is decided here. On where the kernels were measured: trained inside the noise floor of
+# megatron-core's own path (the loss-equivalence runs) and faster in the step (docs/benchmarks/, 2026-11-27). Off
+# everywhere else, so a CPU, FP16 and FP32, the stock specs, the local backend, CP and fine-tuning run what they ran
+# before the kernels existed; a flag given either way is the user's choice (--litespark-X is refused where
+# the kernel cannot run, --no-litespark-X turns it off).
+KERNELS_AUTO = (  # (the flag's dest, the check that refuses it where the kernel cannot run)
+    ("litespark_cross_entropy", _check_litespark_cross_entropy),
+    ("litespark_rmsnorm", _check_litespark_rmsnorm),
+    ("litespark_rope", _check_litespark_rope),
+)
+
+
+def kernels_measured_setting(args, plat) -> bool:
+    """Whether the run is of the kind the kernels were measured in (before each kernel's own refusals)."""
+    from .kernels import triton_on
+
+    return (plat.device_type == "cuda" and triton_on(plat) and SpecChoice.of(args).is_litespark
+            and args.transformer_impl == "transformer_engine" and bool(args.bf16) and not args.fp16
+            and args.context_parallel_size == 1 and not _fine_tuning(args))
+
+
+def _fine_tuning(args) -> bool:
+    """PEFT, or SFT rows (this project's or Megatron-LM's packed --sft): not where the kernels were measured."""
+    return bool(getattr(args, "peft", None) or getattr(args, "sft_data", None) or getattr(args, "embedded_sft", None)
+                or getattr(args, "sft", False))
+
+
+def resolve_kernels_auto(args, plat) -> None:
+    """Each Litespark kernel flag left out becomes True where the run is the measured kind and the kernel's explicit
+    flag would be accepted, False otherwise."""
+    measured = kernels_measured_setting(args, plat)
+    for name, refusal in KERNELS_AUTO:
+        if getattr(args, name, None) is not None:
+            continue
+        on = measured
+        if on:
+            try:
+                refusal(args, plat)
+            except ConfigError:
+                on = False
+        setattr(args, name, on)
 
 
 def _check_fp8_parameters_optimizer(args) -> None:

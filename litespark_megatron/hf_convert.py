@@ -556,6 +556,17 @@ def model_shape(args, vocab: int) -> Shape:
                  args.kv_channels or args.hidden_size // heads, vocab, not args.untie_embeddings_and_output_weights)
 
 
+def run_tokenizer_dir(args, directory: str) -> Optional[str]:
+    """The HF tokenizer a run trained with: its --tokenizer-model under HuggingFaceTokenizer; the embedded corpus's
+    own (that run reads token ids with a NullTokenizer and names the corpus's tokenizer as --tokenizer-model); else
+    the tokenizer/ beside an untouched import. None when the run had no HF tokenizer."""
+    model = getattr(args, "tokenizer_model", None)
+    own = args.tokenizer_type == "HuggingFaceTokenizer" or getattr(args, "embedded_corpus", None)
+    if own and model and os.path.isfile(os.path.join(model, "tokenizer.json")):
+        return model
+    return _imported_tokenizer(directory)
+
+
 def _imported_tokenizer(directory: str) -> Optional[str]:
     """The tokenizer/ an import writes beside its release checkpoint (the import's own arguments name none: it
     saves with NullTokenizer), None if there is none."""
@@ -727,9 +738,7 @@ def export_hf(ckpt: str, out: str, dtype: Optional[str] = None, vocab: Optional[
         if EMBEDDING not in metadata:
             raise ConversionError(f"the checkpoint has no tensor {EMBEDDING}")
         shape = _checkpoint_shape(args, metadata, _true_vocab(args, metadata[EMBEDDING].global_shape[0], vocab))
-        tokenizer_dir = tokenizer or (args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" and
-                                      args.tokenizer_model and os.path.isdir(args.tokenizer_model) else
-                                      _imported_tokenizer(directory))
+        tokenizer_dir = tokenizer or run_tokenizer_dir(args, directory)
         tok = None
         if tokenizer_dir is not None:
             from .data import load_tokenizer

@@ -17,3 +17,21 @@ check_int() {
     die "$1='$2' must be an integer >= $3"
   fi
 }
+
+# PYTHON: the interpreter with litespark-megatron (default: the active virtualenv's or conda's python, else the
+# checkout's .venv, else python3); this checkout's package ($ROOT) wins over any other installed copy, on every node
+# and in every worker.
+pick_python() {
+  if [ -z "${PYTHON:-}" ]; then
+    if [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
+      PYTHON=python
+    elif [ -x "$ROOT/.venv/bin/python" ]; then
+      PYTHON="$ROOT/.venv/bin/python"
+    else
+      PYTHON=python3
+    fi
+  fi
+  command -v "$PYTHON" >/dev/null 2>&1 \
+    || die "PYTHON=$PYTHON is not an executable: set PYTHON to the python where litespark-megatron is installed"
+  export PYTHON PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+}

@@ -28,19 +28,7 @@ PROG="pretrain.sh"
 . "$ROOT/scripts/_lib.sh"  # die, usage, check_int
 
 # ------------------------------------------------------------------------------------------------ the interpreter
-if [ -z "${PYTHON:-}" ]; then
-  if [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
-    PYTHON=python
-  elif [ -x "$ROOT/.venv/bin/python" ]; then
-    PYTHON="$ROOT/.venv/bin/python"
-  else
-    PYTHON=python3
-  fi
-fi
-command -v "$PYTHON" >/dev/null 2>&1 \
-  || die "PYTHON=$PYTHON is not an executable: set PYTHON to the python where litespark-megatron is installed"
-# This checkout's package wins over any other installed copy, on every node and in every worker.
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+pick_python
 
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then

@@ -142,6 +142,22 @@ def test_every_variant_the_layout_cannot_run_says_why_and_the_others_are_planned
     assert [n for n in planned if n not in why] == ["dense", "mha", "gqa", "nope", "bf16", "fp16"]
 
 
+@pytest.mark.parametrize("axis", [[], ["--axis", "finetune", "--peft-base", "{base}"]])
+def test_every_variant_holds_the_litespark_kernels_off_unless_the_flags_name_them(axis, tmp_path):
+    """Their default follows precision and attention (on in BF16 on a GPU, the norm off under FP8, RoPE off with MLA):
+    left to it, the kernels would differ between variants that do not name them."""
+    from litespark_megatron.apps import efficiency_suite as efficiency
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    own = ["--out", "unused", "--model", "tiny"] + [a.format(base=tmp_path) for a in axis]
+    off = ["--no-litespark-cross-entropy", "--no-litespark-rmsnorm", "--no-litespark-rope"]
+    flags = efficiency.parse_settings(own).base_flags()
+    assert all(flag in flags for flag in off)
+    flags = efficiency.parse_settings(own + ["--", "--litespark-rope", "--no-litespark-rmsnorm"]).base_flags()
+    assert [f for f in flags if "litespark-" in f and f != "--litespark-spec"] == \
+        ["--no-litespark-cross-entropy", "--litespark-rope", "--no-litespark-rmsnorm"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "gqa", "--", "--save", "x"], "--save is set by the suite"),
     (["--variants", "gqa", "--", "--bf16"], "--bf16 is set by the suite"),

@@ -313,6 +313,31 @@ def test_conversion_refuses_an_output_that_exists_and_is_not_empty(tiny_hf, tmp_
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
 
 
+def test_export_ships_the_tokenizer_the_run_trained_with(tmp_path):
+    """A HuggingFaceTokenizer run's, the embedded corpus's (named beside the NullTokenizer that run reads token ids
+    with), an untouched import's tokenizer/; nothing for a run without one (mock data's NullTokenizer)."""
+    from types import SimpleNamespace
+
+    from litespark_megatron.hf_convert import run_tokenizer_dir
+
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def run(kind, model=str(tokenizer), corpus=None):
+        return run_tokenizer_dir(SimpleNamespace(tokenizer_type=kind, tokenizer_model=model, embedded_corpus=corpus),
+                                 str(ckpt))
+    assert run("HuggingFaceTokenizer") == str(tokenizer)
+    assert run("NullTokenizer", corpus="stdlib") == str(tokenizer)
+    assert run("NullTokenizer") is None and run("NullTokenizer", model=None, corpus="stdlib") is None
+    assert run("HuggingFaceTokenizer", model=str(tmp_path)) is None  # no tokenizer.json there
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert run("NullTokenizer", model=None) == str(tmp_path / "tokenizer")  # an import's, beside its checkpoint
+
+
 def test_a_run_whose_tokenizer_outgrows_the_checkpoints_embedding_is_refused(untied):
     """megatron-core would load the 301-row embedding into a 400-token model without a word."""
     from litespark_megatron import arguments

@@ -88,6 +88,21 @@ def test_int4_logits_are_those_of_its_own_dequantized_weights():
     assert torch.allclose(got, want, atol=0.05, rtol=0.02), float((got - want).abs().max())
 
 
+def test_awq_calibrates_on_a_number_of_windows_that_is_no_multiple_of_a_batch(tmp_path):
+    """torchao's AWQ observer concatenates what it saw along the sequence: forwards of unequal batch sizes (8 windows
+    then 6, as the first GPU run had) failed at convert. The calibration runs one window per forward."""
+    from litespark_megatron.apps.inference_run import calibrator
+    from litespark_megatron.apps.inference_variants import quantize
+
+    torch.manual_seed(0)
+    torch.save(torch.randint(0, VOCAB, (3, 32)), tmp_path / "calibration.pt")
+    model = tiny_llama().to(torch.bfloat16)
+    done = quantize(model, "int4-awq", cuda=False, calibrate=calibrator(tmp_path / "calibration.pt", "cpu"))
+    assert done["quantized_layers"] == 2 * 7 and done["method"].startswith("torchao AWQConfig(")
+    logits = model(input_ids=torch.randint(0, VOCAB, (2, 16))).logits
+    assert logits.shape == (2, 16, VOCAB) and torch.isfinite(logits).all()
+
+
 def test_weight_bytes_count_packed_int4_scales_and_zeros_and_the_16_bit_rest():
     from litespark_megatron.apps.inference_variants import weight_bytes
 
@@ -185,6 +200,31 @@ def test_bad_input_is_one_line_and_nothing_is_written(llama_dir, tmp_path, capsy
     line = run_error(load_tool("inference_bench"), argv, capsys)
     assert line.startswith("inference_bench: error: ") and expected in line, line
     assert not (out / "bench_state.json").exists() and not (out / "runs").exists()
+
+
+@pytest.mark.parametrize("axis", [["--axis", "inference"], ["--axis=inference"]])
+def test_the_efficiency_suites_inference_axis_is_this_benchmark(llama_dir, tmp_path, monkeypatch, axis):
+    """`efficiency_suite --axis inference` takes the benchmark's options and runs it (its run_bench, stubbed here)."""
+    from litespark_megatron.apps import inference_bench
+
+    ran = []
+    monkeypatch.setattr(inference_bench, "run_bench", lambda settings: ran.append(settings) or 0)
+    argv = ["--hf", str(llama_dir), "--out", str(tmp_path / "out"), "--variants", "bf16,int4", "--batch-sizes", "1,8",
+            "--repeats", "3", "--cpu"]
+    assert load_tool("efficiency_suite").main(axis + argv) == 0
+    assert ran == [inference_bench.parse_settings(argv)]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--hf", "{llama}", "--", "--bf16"], "the flags after '--' have no run to go to"),
+    (["--hf", "{llama}", "--peft-base", "x"], "unrecognized arguments: --peft-base x"),
+    (["--hf", "{llama}", "--variants", "lora"], "unknown variant 'lora'; choose from: bf16"),
+])
+def test_the_inference_axis_refuses_the_training_axes_options(llama_dir, tmp_path, capsys, argv, expected):
+    argv = ["--axis", "inference", "--out", str(tmp_path / "out")] + [a.format(llama=llama_dir) for a in argv]
+    line = run_error(load_tool("efficiency_suite"), argv, capsys)
+    assert line.startswith("efficiency_suite --axis inference: error: ") and expected in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_variant_that_cannot_run_here_says_why():

@@ -63,3 +63,25 @@ def test_quickstart_short(tmp_path):
         files = {p.name for p in (save / f"iter_{step}").iterdir()}
         assert {"metadata.json", "__0_0.distcp"} <= files, files
     assert re.search(r"^sample \(\d+ tokens after 'def '\):", out, re.M), out[-2000:]
+
+
+def test_the_efficiency_base_recipe_exports_only_a_finished_run(tmp_path):
+    """scripts/efficiency_base.sh on the tiny preset: a run stopped before its end exports nothing (exit 3, and says
+    so); the same command again finishes the training and exports the model with the embedded corpus's tokenizer."""
+    script = ROOT / "scripts" / "efficiency_base.sh"
+    out = tmp_path / "base"
+    flags = ["--model", "tiny", "--seq-length", "64", "--train-iters", "4", "--lr-warmup-iters", "1",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-interval", "4", "--eval-iters", "1",
+             "--log-interval", "1"]
+    env = child_env(PYTHON=sys.executable, OMP_NUM_THREADS=2)
+    stopped = run(["bash", script, out, *flags, "--exit-interval", "2"], timeout=600, env=env)
+    assert stopped.returncode == 3, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    assert "efficiency_base.sh: the training stopped 2 steps before its end; run the same command again" in \
+        stopped.stderr and not (out / "hf").exists()
+    finished = run(["bash", script, out, *flags], timeout=600, env=env)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (out / "hf").iterdir()}
+    trained = [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if '"kind": "train"' in line]
+    assert trained == [1, 2, 3, 4]  # the second command continued where the first stopped
+    again = run(["bash", script, out, *flags], timeout=60, env=env)
+    assert again.returncode == 2 and "hf exists: this base was exported already" in again.stderr

@@ -105,10 +105,11 @@ SYSTEMS: Dict[str, System] = {
                                  "cross-entropy (logits never materialized): what a speed-minded HF user runs",
                        liger=True),
     "litespark-bf16": System("megatron", _TE,
-                             "Litespark layers, Transformer Engine backend", needs_te=True),
+                             "Litespark layers, Transformer Engine backend, Litespark's cross-entropy, RMSNorm and "
+                             "RoPE kernels (their default on a GPU)", needs_te=True),
     "litespark-fp8": System("megatron", _TE + _FP8,
-                            "Litespark layers, Transformer Engine backend, FP8 hybrid with delayed scaling",
-                            needs_te=True),
+                            "Litespark layers, Transformer Engine backend, FP8 hybrid with delayed scaling, "
+                            "Litespark's cross-entropy and RoPE kernels (their default under FP8)", needs_te=True),
     "stock-te-bf16": System("megatron", ("--spec", "stock-te"), "Megatron-Core's own Transformer Engine layer",
                             needs_te=True),
     "stock-te-fp8": System("megatron", ("--spec", "stock-te") + _FP8,

@@ -9,7 +9,8 @@ compared with: tools/benchmark.py's peak is the largest over every step, warm-up
 its eager steps' (the model's `allocated`); tools/layout_sweep.py's is the steady state after the first log
 interval, after capture: the allocator then no longer counts the graphed layers' activations, which live in the
 graphs' pools (compared with `allocated` minus those activations). An out-of-memory row is a fit check: the model must
-say the layout does not fit.
+say the layout does not fit. A row is parsed, not checked: the Litespark kernels' default is not applied, so its kernels
+are those its flags name (every row measured before that default names the ones it ran).
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ same steps on the same data by `litespark-train`, and their AMU, PCU, AL, TT, AE
 
 `--axis finetune --peft-base CKPT` is EfficientLLM's other training axis: full fine-tuning and the PEFT methods
 (LoRA, RSLoRA, DoRA, LoRA-plus, freezing) of one base checkpoint on the same SFT rows, with the same measurements plus
-trainable parameters, checkpoint size and validation loss.
+trainable parameters, checkpoint size and validation loss. `--axis inference --hf DIR` is its third axis: the
+precisions of one HF Llama at inference (16-bit, int4, float8), run by the inference benchmark (inference_bench.py,
+whose options it takes).
 
 Every variant runs in a fresh `python -m litespark_megatron` (torchrun with --nproc > 1) that writes its own
 metrics.jsonl: the trainer's telemetry is the measurement, and this module only aggregates what it logged
@@ -52,7 +54,9 @@ STATE_VERSION = 1
 RESERVED_FLAGS = ("--save", "--load", "--metrics-file", "--tensorboard-dir", "--bf16", "--fp16", "--fp8-format",
                   "--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--exit-interval",
                   "--peft-base", "--pretrained-checkpoint", "--save-interval")
-AXES = ("pretrain", "finetune")
+AXES = ("pretrain", "finetune", "inference")
+INFERENCE_PROG = "efficiency_suite --axis inference"
+KERNEL_FLAGS = ("litespark-cross-entropy", "litespark-rmsnorm", "litespark-rope")
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 # Subprocess output that means the GPU ran out of memory (torch's allocator, cuBLAS/cuDNN workspaces, raw CUDA).
 OOM_PATTERNS = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
@@ -235,6 +239,10 @@ class Settings:
         flags = ["--model", self.model, "--train-iters", str(self.train_iters), "--log-interval",
                  str(self.log_interval), "--eval-iters", str(self.eval_iters), "--eval-interval", str(10 ** 9)]
         given = {f.split("=", 1)[0] for f in self.shared}
+        # The Litespark kernels held off in every variant unless the flags name them: their default follows the
+        # precision and the attention (FP8 keeps TE's norm, MLA its own RoPE), which would make them a difference
+        # between variants that the variants do not name.
+        flags += [f"--no-{k}" for k in KERNEL_FLAGS if f"--{k}" not in given and f"--no-{k}" not in given]
         if self.axis == "finetune":
             # the SFT rows every machine has, unless the flags name others
             sft = [] if {"--sft-data", "--embedded-sft"} & given else ["--embedded-sft", "stdlib"]
@@ -263,7 +271,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axis", choices=AXES, default="pretrain",
                    help="pretrain: architecture and precision variants trained from scratch; finetune: full "
                         "fine-tuning and the PEFT methods of --peft-base on SFT rows (--embedded-sft stdlib unless "
-                        "the flags after '--' name --sft-data)")
+                        "the flags after '--' name --sft-data); inference: the precisions of an HF Llama (--hf DIR) "
+                        "at inference, with the inference benchmark's options (--axis inference --help lists them)")
     p.add_argument("--peft-base", default=None, metavar="CKPT",
                    help="--axis finetune: the base checkpoint every variant starts from (a pretraining run's --save "
                         "directory of the same --model, or a litespark-convert import)")
@@ -1071,14 +1080,47 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def inference_axis_argv(argv: Sequence[str]) -> Optional[List[str]]:
+    """The inference benchmark's arguments when `argv` asks for --axis inference (argv less that option); None for a
+    training axis. Refused: flags after '--' (the inference axis trains nothing)."""
+    argv = list(argv)
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--axis")
+    if probe.parse_known_args(own)[0].axis != "inference":
+        return None
+    if "--" in argv:
+        raise UserError("--axis inference runs no litespark-train: the flags after '--' have no run to go to; give "
+                        "the inference benchmark's options (--axis inference --help)")
+    rest, skip = [], False
+    for token in own:
+        if skip:
+            skip = False
+        elif token == "--axis":
+            skip = True
+        elif not token.startswith("--axis="):
+            rest.append(token)
+    return rest
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..platform import quiet_library_noise
 
     quiet_library_noise()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        inference = inference_axis_argv(argv)
+    except UserError as e:
+        print(f"{INFERENCE_PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if inference is not None:
+        from . import inference_bench
+
+        return inference_bench.main(inference, prog=INFERENCE_PROG)
     # A SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so the running variant's process is stopped too.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        settings = parse_settings(sys.argv[1:] if argv is None else argv)
+        settings = parse_settings(argv)
         return run_suite(settings)
     except UserError as e:
         for line in str(e).splitlines():

@@ -98,10 +98,13 @@ class Settings:
                     quantize_lm_head=self.quantize_lm_head, seed=self.seed)
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "inference_bench"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     from .cli import OneLineParser, non_negative_int, positive_float, positive_int
 
-    p = OneLineParser(prog="inference_bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = OneLineParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                       description="Measure precisions of one HF Llama (16-bit, int4, float8, NF4), each in a fresh "
                                   "process: latency, throughput, memory, energy, bandwidth, perplexity and "
                                   "agreement with bf16.")
@@ -137,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_settings(argv: Sequence[str]) -> Settings:
-    parser = build_parser()
+def parse_settings(argv: Sequence[str], prog: str = PROG) -> Settings:
+    parser = build_parser(prog)
     try:
         ns = parser.parse_args(list(argv))
     except SystemExit as e:
@@ -375,20 +378,21 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
+    """`prog`: the command's name in its messages (the efficiency suite's inference axis runs this)."""
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop unwinds like Ctrl-C: the running variant stops
     try:
-        settings = parse_settings(sys.argv[1:] if argv is None else argv)
+        settings = parse_settings(sys.argv[1:] if argv is None else argv, prog)
         return run_bench(settings)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except UserError as e:
         if str(e):
-            print(f"inference_bench: error: {e}", file=sys.stderr, flush=True)
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        print("inference_bench: interrupted; the variant that was running runs again when the same command is "
-              "repeated", file=sys.stderr, flush=True)
+        print(f"{prog}: interrupted; the variant that was running runs again when the same command is repeated",
+              file=sys.stderr, flush=True)
         return 130
 
 

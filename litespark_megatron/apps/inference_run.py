@@ -24,6 +24,19 @@ def _write_atomically(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def calibrator(windows_file, device):
+    """AWQ's calibration pass: every calibration window through the model, one window per forward (torchao's AWQ
+    observer concatenates the inputs it saw along the sequence, so every forward must have the same batch size)."""
+    import torch
+
+    def calibrate(model):
+        windows = torch.load(windows_file)
+        with torch.inference_mode():
+            for window in windows:
+                model(input_ids=window.view(1, -1).to(device), use_cache=False)
+    return calibrate
+
+
 def measure(spec: dict, run_dir: Path, clock=time.perf_counter) -> dict:
     import torch
 
@@ -48,14 +61,8 @@ def measure(spec: dict, run_dir: Path, clock=time.perf_counter) -> dict:
     model = engine.load_llama(spec["hf"], variant.dtype, device, quantization_config)
     bytes_16bit = weight_bytes(model) if variant.name != "nf4" else None
 
-    def calibrate(m):
-        windows = torch.load(text / "calibration.pt")
-        with torch.inference_mode():
-            for start in range(0, windows.shape[0], spec["eval_batch"]):
-                m(input_ids=windows[start:start + spec["eval_batch"]].to(device), use_cache=False)
-
-    done = quantize(model, variant.name, cuda, calibrate if variant.needs_calibration else None,
-                    spec["quantize_lm_head"])
+    calibrate = calibrator(text / "calibration.pt", device) if variant.needs_calibration else None
+    done = quantize(model, variant.name, cuda, calibrate, spec["quantize_lm_head"])
     result = dict(variant=variant.name, what=variant.what, device=spec["device_name"], **done,
                   load_and_quantize_s=round(time.time() - t0, 2), weight_bits_nominal=variant.weight_bits,
                   weight_bytes=weight_bytes(model), weight_bytes_16bit_same_load=bytes_16bit,

@@ -68,7 +68,8 @@ def check_layout(nnodes: int, nproc: int, device: str, gpus: int, train_args: Se
         raise LaunchError(f"GPUS_PER_NODE={nproc} but this node sees {gpus} GPU(s){where}: lower GPUS_PER_NODE, "
                           "or leave it unset to start one process per visible GPU")
     world = nnodes * nproc
-    plat = Platform(device, "nccl" if device == "cuda" else "gloo", te, fp8_capable, device)
+    plat = Platform(device, "nccl" if device == "cuda" else "gloo", te, fp8_capable, device,
+                    triton=True if assumed and device == "cuda" else None)
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)  # what Megatron-LM's argument parsing reads the world size from
     try:

@@ -84,7 +84,8 @@ def platform_of(gpu: Accelerator):
 
     if gpu.cpu:
         return Platform("cpu", "gloo", False, False, "cpu")
-    return Platform("cuda", "nccl", True, gpu.fp8, gpu.name)  # a GPU node with TE, as launch_check --assume-gpu
+    # a GPU node with TE and Triton (torch's CUDA wheels ship it), as launch_check --assume-gpu
+    return Platform("cuda", "nccl", True, gpu.fp8, gpu.name, triton=True)
 
 
 def interconnect(opts, gpu: Accelerator):

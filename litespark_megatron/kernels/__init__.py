@@ -17,6 +17,11 @@ def triton_available() -> bool:
     return True
 
 
+def triton_on(plat) -> bool:
+    """Whether the platform a run is checked for has Triton: a planned node says so, this machine is asked."""
+    return plat.triton if plat.triton is not None else triton_available()
+
+
 def kernel_path(device_type: str) -> str:
     """What a Litespark kernel runs on a device of this type (the run's "what ran" record): "litespark" (its Triton
     kernels, CUDA) or "litespark (reference)" (its plain-torch reference)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -14,6 +15,7 @@ class Platform:
     te: bool                  # Transformer Engine importable (only ever True with CUDA)
     fp8_capable: bool         # compute capability >= 8.9
     device_name: str
+    triton: Optional[bool] = None  # Triton importable; None: as on this machine (a planned node says True)
 
 
 def te_importable() -> bool:
