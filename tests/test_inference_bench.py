@@ -202,6 +202,39 @@ def test_bad_input_is_one_line_and_nothing_is_written(llama_dir, tmp_path, capsy
     assert not (out / "bench_state.json").exists() and not (out / "runs").exists()
 
 
+def test_inference_findings_compare_the_precisions_at_the_smallest_batch_by_their_intervals():
+    from litespark_megatron.apps import findings
+    from litespark_megatron.apps.inference_report import finding_spreads
+
+    def row(name, ppl, at1, at8, done=3):
+        def cell(b, values):
+            return dict(batch_size=b, spread={k: findings.interval(v) for k, v in values.items()})
+        return dict(variant=name, repeats_done=done, spread=dict(perplexity=findings.interval(ppl)),
+                    batches=[cell(1, at1), cell(8, at8)])
+    # At batch 8 every ordering is the other way round: the findings must read batch 1.
+    flipped = dict(power_w=[300, 301, 302], it_tokens_per_s=[1, 2, 3], peak_memory_gb=[9, 9.1, 9.2])
+    rows = [row("bf16", [69.1, 69.2, 69.15], dict(power_w=[140, 141, 142], it_tokens_per_s=[60, 61, 62],
+                                                  peak_memory_gb=[2.0, 2.04, 2.05]), flipped),
+            row("fp16", [69.2, 69.3, 69.2], dict(power_w=[158, 159, 160], it_tokens_per_s=[70, 71, 72],
+                                                 peak_memory_gb=[2.0, 2.04, 2.05]), flipped),
+            row("int4", [70.9, 71.0, 70.95], dict(power_w=[137, 150, 143], it_tokens_per_s=[50, 50.5, 51],
+                                                  peak_memory_gb=[0.6, 0.61, 0.62]), flipped),
+            row("fp8", [], {}, {}, done=0)]
+    spreads = finding_spreads(rows, 1)
+    assert set(spreads) == {"bf16", "fp16", "int4"}  # fp8 did not run: no numbers of it
+    verdicts = {r["claim"]: r["verdict"] for r in findings.evaluate(spreads, "inference")}
+    assert verdicts == {
+        "bf16 draws less power than fp16 at inference": "agree",
+        "bf16 generates more tokens per second than fp16": "disagree",
+        "int4 needs less memory than bf16": "agree",
+        "int4 draws less power than bf16": "inconclusive",  # int4's interval overlaps bf16's
+        "int4 generates more tokens per second than bf16": "disagree",
+        "int4 costs quality (bf16's perplexity is the lower)": "agree"}
+    ratios = {r["claim"]: r["ratio"] for r in findings.evaluate(spreads, "inference")}
+    assert ratios["int4 needs less memory than bf16"].startswith(f"x{0.61 / (6.09 / 3):.3f}")
+    assert "served by vLLM" in findings.markdown(findings.evaluate(spreads, "inference"), "# h")
+
+
 @pytest.mark.parametrize("axis", [["--axis", "inference"], ["--axis=inference"]])
 def test_the_efficiency_suites_inference_axis_is_this_benchmark(llama_dir, tmp_path, monkeypatch, axis):
     """`efficiency_suite --axis inference` takes the benchmark's options and runs it (its run_bench, stubbed here)."""
@@ -258,6 +291,10 @@ def test_end_to_end_reports_every_variant_and_resumes_only_what_did_not_finish(l
     assert int4["mcr_nominal"] == pytest.approx(4 * int4["top1_accuracy"] / bf16["top1_accuracy"])
     assert all(b["power_w"] is None for b in int4["batches"])  # no GPU: not measured, nothing made up
     assert "Energy not measured: no GPU" in (out / "inference.md").read_text()
+    written = (out / "findings.md").read_text()  # on a CPU: quality judged, power not measured
+    assert "| int4 costs quality (bf16's perplexity is the lower) |" in written
+    assert "| int4 draws less power than bf16 | 10-23% less (14-32B) | power_w | int4 not measured; bf16 not " \
+           "measured | - | **not measured** |" in written
     capsys.readouterr()
 
     # An interrupted int4 run (its state left 'running'): the same command runs int4 again, and only int4.

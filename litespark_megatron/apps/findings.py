@@ -21,6 +21,11 @@ LoRA-family method on a 4-bit (bitsandbytes NF4) base, while LLaMA-Factory refus
 fine-tuning, so those most likely ran in bf16; every method shared one learning rate and alpha 128 at rank 64 (RSLoRA's
 scale alpha / sqrt(r) = 16 against LoRA's alpha / r = 2). The suite runs every method on the same bf16 (or fp32) base.
 A finding about models this suite cannot train here is a row saying why.
+
+The inference findings (`--axis inference`, the inference benchmark's findings.md) compare the precisions at one
+batch size: the paper measured 1.5-32B models whose int4 was an AWQ checkpoint served by vLLM with its own int4
+kernels, where the benchmark runs HF transformers with torchao's (each row of its report names the method), so a
+verdict on speed or energy is about the kernel as much as about the precision.
 """
 from __future__ import annotations
 
@@ -183,7 +188,24 @@ FINETUNE_FINDINGS = (
             confounds=_NF4_BASE + "; HF peft's DoRA (the paper's and this project's) recomputes the weight norm "
             "||W + s B A|| in every forward and, with dropout 0.1, runs the base GEMM twice"),
 )
-AXIS_FINDINGS = {"pretrain": FINDINGS, "finetune": FINETUNE_FINDINGS}
+_SERVING = ("the paper's int4 was an AWQ checkpoint served by vLLM (its int4 kernels) on 1.5-32B models; here HF "
+            "transformers generate with the method the report names")
+INFERENCE_FINDINGS = (
+    Finding("bf16 draws less power than fp16 at inference", "DeepSeek-R1-Distill-Qwen-1.5B: 144 vs 159 W (x0.906)",
+            "power_w", "bf16", ("fp16",), kind="lower", ratio=("bf16", "fp16"), confounds=_SERVING),
+    Finding("bf16 generates more tokens per second than fp16", "1.5B: IT 39.68 vs 37.70 (x1.053)",
+            "it_tokens_per_s", "bf16", ("fp16",), kind="highest", ratio=("bf16", "fp16"), confounds=_SERVING),
+    Finding("int4 needs less memory than bf16", "about 1.5x less measured (14-32B); first on AMU in every group",
+            "peak_memory_gb", "int4", ("bf16",), kind="lower", ratio=("int4", "bf16"), confounds=_SERVING),
+    Finding("int4 draws less power than bf16", "10-23% less (14-32B)", "power_w", "int4", ("bf16",), kind="lower",
+            ratio=("int4", "bf16"), confounds=_SERVING),
+    Finding("int4 generates more tokens per second than bf16", "7-10% more (14-32B); first on IT in every group",
+            "it_tokens_per_s", "int4", ("bf16",), kind="highest", ratio=("int4", "bf16"), confounds=_SERVING),
+    Finding("int4 costs quality (bf16's perplexity is the lower)", "1.5B: score 0.2420 -> 0.2341 (-3.3% relative); "
+            "3-5 points in general", "perplexity", "bf16", ("int4",), kind="lower", ratio=("int4", "bf16"),
+            confounds=_SERVING + "; the paper scores tasks, the benchmark perplexity on held-out text"),
+)
+AXIS_FINDINGS = {"pretrain": FINDINGS, "finetune": FINETUNE_FINDINGS, "inference": INFERENCE_FINDINGS}
 
 
 def _ratio_text(finding: Finding, spreads) -> str:
@@ -209,7 +231,8 @@ def _cell(spread: Optional[Spread], spec: str) -> str:
 
 
 METRIC_FORMATS = {"amu_gb": "{:.2f} GB", "al_s": "{:.4f} s", "val_ppl": "{:.2f}", "j_per_token": "{:.4g} J",
-                  "val_loss": "{:.4f}"}
+                  "val_loss": "{:.4f}", "power_w": "{:.0f} W", "it_tokens_per_s": "{:.1f}/s",
+                  "peak_memory_gb": "{:.3f} GB", "perplexity": "{:.3f}"}
 
 
 def evaluate(spreads: Dict[str, Dict[str, Optional[Spread]]], axis: str = "pretrain") -> List[dict]:

@@ -109,7 +109,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                   "process: latency, throughput, memory, energy, bandwidth, perplexity and "
                                   "agreement with bf16.")
     p.add_argument("--hf", required=True, help="HF Llama directory (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="directory for the runs, state, inference.md and inference.json")
+    p.add_argument("--out", required=True,
+                   help="directory for the runs, state, inference.md, inference.json and findings.md")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma list of: " + ", ".join(VARIANTS) + "; or all")
     p.add_argument("--batch-sizes", type=batch_sizes, default=[1, 8, 32], help="comma list of prompts per call")
@@ -370,7 +371,7 @@ def run_bench(settings: Settings, log=print) -> int:
 
     rows = write_report(settings, state)
     log((settings.out / "inference.md").read_text())
-    log(f"wrote {settings.out / 'inference.md'} and inference.json")
+    log(f"wrote {settings.out / 'inference.md'}, inference.json and findings.md (EfficientLLM's inference findings)")
     return 0 if all(r["status"] in ("done", CANNOT_RUN) for r in rows) else 1
 
 

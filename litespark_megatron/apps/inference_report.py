@@ -170,11 +170,35 @@ def _jsonable(rows: List[dict]) -> List[dict]:
     return out
 
 
+FINDING_BATCH_KEYS = ("power_w", "it_tokens_per_s", "peak_memory_gb")
+
+
+def finding_spreads(rows: List[dict], batch_size: int) -> dict:
+    """{variant: {metric: Spread}} of the variants that ran: perplexity, and at `batch_size` power, IT and peak
+    memory (findings.py's inference findings compare these)."""
+    spreads = {}
+    for r in rows:
+        if not r["repeats_done"]:
+            continue
+        spreads[r["variant"]] = dict(perplexity=r["spread"].get("perplexity"))
+        cell = next((b for b in r["batches"] if b["batch_size"] == batch_size), None)
+        if cell is not None:
+            spreads[r["variant"]].update({k: cell["spread"].get(k) for k in FINDING_BATCH_KEYS})
+    return spreads
+
+
 def write_report(settings, state: dict) -> List[dict]:
+    from . import findings
+
     rows = collect_rows(settings, state)
     device = state.get("device") or "an unrecorded device"
     (settings.out / "inference.md").write_text(f"# Inference benchmark: {settings.hf.name}\n\n" +
                                                markdown(settings, rows, device))
+    batch = min(settings.batch_sizes)
+    header = (f"# EfficientLLM's inference findings against this benchmark: {settings.hf.name}, batch {batch}, "
+              f"{settings.repeats} repeat(s), decode {'compiled' if settings.compile else 'eager'}, on {device}")
+    (settings.out / "findings.md").write_text(
+        findings.markdown(findings.evaluate(finding_spreads(rows, batch), "inference"), header))
     doc = dict(settings=settings.identity() | dict(variants=settings.variants, repeats=settings.repeats),
                device=device, reference=REFERENCE, variants=_jsonable(rows))
     tmp = settings.out / "inference.json.tmp"
