@@ -148,7 +148,18 @@ def test_a_model_too_large_says_what_would_fit(capsys):
             "e.g. TP1 PP1 CP1 DP1 mb 1 dist-opt recompute selective at 49.3 GiB; ") in selective
     assert selective.endswith("; or full recomputation (drop --recompute-granularity: the plan then tries it)")
     huge = refused(capsys, "--gpu", "H100", "--gpus-per-node", "1", "--gpu-memory-gib", "2", *LLAMA_3B)
-    assert huge.endswith("nothing tried fits either (up to 64 nodes, FP8 with the precision-aware optimizer)")
+    assert huge.endswith("nothing tried fits either (up to 64 nodes, FP8 with the precision-aware optimizer); the "
+                         "plan splits the 28 layers evenly only (pipeline sizes 1, 2, 4 on these GPU counts): deeper "
+                         "pipelines (8, 16) need an uneven split (--decoder-first-pipeline-num-layers, "
+                         "--decoder-last-pipeline-num-layers, --account-for-embedding-in-pipeline-split), which it "
+                         "does not model")
+
+
+def test_pipeline_sizes_that_split_the_layers_evenly_and_the_deeper_ones_that_would_not():
+    """Llama 3.1 405B's 126 layers on 8-4,096 GPUs: PP 1 or 2 only (docs/planner-at-scale.md); 32 layers: any."""
+    assert plan.pipeline_splits(126, [8 * 2 ** k for k in range(10)]) == ([1, 2], [4, 8, 16, 32, 64])
+    assert plan.pipeline_splits(32, [8, 64]) == ([1, 2, 4, 8, 16, 32], [])
+    assert plan.pipeline_splits(28, [6]) == ([1, 2], [3, 6])
 
 
 @pytest.mark.parametrize("argv, start", [

@@ -23,7 +23,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError, UserError
 from . import layouts, memory_model
@@ -273,6 +273,14 @@ def plan(opts, argv: Sequence[str]) -> dict:
                 do_not_fit=sum(not e.fits for e in evaluated), fit=len(fitting), layouts=best)
 
 
+def pipeline_splits(layers: int, worlds: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """(the pipeline sizes these GPU counts allow that split `layers` evenly, the deeper ones they allow that would
+    split them unevenly)."""
+    sizes = sorted({p for w in worlds for p in range(1, min(w, layers) + 1) if w % p == 0})
+    even = [p for p in sizes if layers % p == 0]
+    return even, [p for p in sizes if layers % p and p > max(even)]
+
+
 def cannot_fit(args, argv, evaluated, world, opts, named, plat, usable, gpu, where) -> str:
     """One line: the smallest layout's need against the GPU's, and what would fit instead."""
     smallest = min(evaluated, key=lambda e: e.memory.required_gib)
@@ -299,6 +307,14 @@ def cannot_fit(args, argv, evaluated, world, opts, named, plat, usable, gpu, whe
         ways.append("full recomputation (drop --recompute-granularity: the plan then tries it)")
     what = ("what would fit: " + "; or ".join(ways)) if ways else \
         f"nothing tried fits either (up to {opts.nodes * MORE_NODES[-1]} nodes, FP8 with the precision-aware optimizer)"
+    if not ways:
+        worlds = [world] + [world * factor for factor in MORE_NODES]
+        even, deeper = pipeline_splits(args.num_layers, worlds)
+        if deeper:
+            what += (f"; the plan splits the {args.num_layers} layers evenly only (pipeline sizes "
+                     f"{', '.join(map(str, even))} on these GPU counts): deeper pipelines ({', '.join(map(str, deeper))})"
+                     " need an uneven split (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, "
+                     "--account-for-embedding-in-pipeline-split), which it does not model")
     return (f"no layout of {where} fits {args.model or 'the model'}: the smallest, "
             f"{smallest.candidate.describe()}, needs {smallest.memory.required_gib:.1f} GiB per GPU where "
             f"{usable:.1f} GiB fit ({memory_model.USABLE_SHARE:.0%} of {usable / memory_model.USABLE_SHARE:.1f}); "
