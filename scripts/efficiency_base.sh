@@ -18,7 +18,8 @@ RUN_DIR="$1"
 shift
 [ -e "$RUN_DIR/hf" ] && die "$RUN_DIR/hf exists: this base was exported already (another RUN_DIR trains another)"
 RUN_DIR="$RUN_DIR" bash "$ROOT/scripts/pretrain.sh" --config "$ROOT/examples/efficiency-base.yaml" \
-  --save "$RUN_DIR/ckpt" --load "$RUN_DIR/ckpt" --tensorboard-dir "$RUN_DIR/tb" --metrics-file "$RUN_DIR/metrics.jsonl" "$@"
+  --save "$RUN_DIR/ckpt" --load "$RUN_DIR/ckpt" --tensorboard-dir "$RUN_DIR/tb" \
+  --metrics-file "$RUN_DIR/metrics.jsonl" "$@"
 pick_python
 # A run stopped early (a signal, --exit-duration-in-mins) saved where it was: export only the finished model.
 LEFT="$("$PYTHON" - "$RUN_DIR/ckpt" <<'PY'

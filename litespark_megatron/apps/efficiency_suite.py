@@ -1085,9 +1085,12 @@ def inference_axis_argv(argv: Sequence[str]) -> Optional[List[str]]:
     training axis. Refused: flags after '--' (the inference axis trains nothing)."""
     argv = list(argv)
     own = argv[: argv.index("--")] if "--" in argv else argv
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     probe.add_argument("--axis")
-    if probe.parse_known_args(own)[0].axis != "inference":
+    try:
+        if probe.parse_known_args(own)[0].axis != "inference":
+            return None
+    except argparse.ArgumentError:  # "--axis" without a value: the suite's own parser says so
         return None
     if "--" in argv:
         raise UserError("--axis inference runs no litespark-train: the flags after '--' have no run to go to; give "

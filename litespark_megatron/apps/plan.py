@@ -312,9 +312,10 @@ def cannot_fit(args, argv, evaluated, world, opts, named, plat, usable, gpu, whe
         even, deeper = pipeline_splits(args.num_layers, worlds)
         if deeper:
             what += (f"; the plan splits the {args.num_layers} layers evenly only (pipeline sizes "
-                     f"{', '.join(map(str, even))} on these GPU counts): deeper pipelines ({', '.join(map(str, deeper))})"
-                     " need an uneven split (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, "
-                     "--account-for-embedding-in-pipeline-split), which it does not model")
+                     f"{', '.join(map(str, even))} on these GPU counts): deeper pipelines "
+                     f"({', '.join(map(str, deeper))}) need an uneven split (--decoder-first-pipeline-num-layers, "
+                     "--decoder-last-pipeline-num-layers, --account-for-embedding-in-pipeline-split), which it does "
+                     "not model")
     return (f"no layout of {where} fits {args.model or 'the model'}: the smallest, "
             f"{smallest.candidate.describe()}, needs {smallest.memory.required_gib:.1f} GiB per GPU where "
             f"{usable:.1f} GiB fit ({memory_model.USABLE_SHARE:.0%} of {usable / memory_model.USABLE_SHARE:.1f}); "
