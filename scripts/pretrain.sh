@@ -25,7 +25,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PROG="pretrain.sh"
 # shellcheck source=scripts/_lib.sh
-. "$ROOT/scripts/_lib.sh"  # die, usage, check_int
+. "$ROOT/scripts/_lib.sh"  # die, usage, check_int, pick_python
 
 # ------------------------------------------------------------------------------------------------ the interpreter
 pick_python
