@@ -864,9 +864,9 @@ def kernels_measured_setting(args, plat) -> bool:
 
 
 def _fine_tuning(args) -> bool:
-    """PEFT, or SFT rows (this project's or Megatron-LM's packed --sft): not where the kernels were measured."""
-    return bool(getattr(args, "peft", None) or getattr(args, "sft_data", None) or getattr(args, "embedded_sft", None)
-                or getattr(args, "sft", False))
+    """PEFT, or SFT rows (--sft-data, which --embedded-sft sets; Megatron-LM's packed --sft): not where the kernels
+    were measured."""
+    return bool(getattr(args, "peft", None) or getattr(args, "sft_data", None) or getattr(args, "sft", False))
 
 
 def resolve_kernels_auto(args, plat) -> None:

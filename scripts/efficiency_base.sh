@@ -23,10 +23,10 @@ RUN_DIR="$RUN_DIR" bash "$ROOT/scripts/pretrain.sh" --config "$ROOT/examples/eff
 pick_python
 # A run stopped early (a signal, --exit-duration-in-mins) saved where it was: export only the finished model.
 LEFT="$("$PYTHON" - "$RUN_DIR/ckpt" <<'PY'
-import os, sys
+import sys
+from litespark_megatron.checkpoint_dir import tracked_iteration
 from litespark_megatron.hf_convert import checkpoint_arguments, checkpoint_dir
-tracker = os.path.join(sys.argv[1], "latest_checkpointed_iteration.txt")
-print(checkpoint_arguments(checkpoint_dir(sys.argv[1])).train_iters - int(open(tracker).read()))
+print(checkpoint_arguments(checkpoint_dir(sys.argv[1])).train_iters - tracked_iteration(sys.argv[1]))
 PY
 )"
 if [ "$LEFT" -gt 0 ]; then

@@ -1088,21 +1088,14 @@ def inference_axis_argv(argv: Sequence[str]) -> Optional[List[str]]:
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     probe.add_argument("--axis")
     try:
-        if probe.parse_known_args(own)[0].axis != "inference":
-            return None
+        axis, rest = probe.parse_known_args(own)
     except argparse.ArgumentError:  # "--axis" without a value: the suite's own parser says so
+        return None
+    if axis.axis != "inference":
         return None
     if "--" in argv:
         raise UserError("--axis inference runs no litespark-train: the flags after '--' have no run to go to; give "
                         "the inference benchmark's options (--axis inference --help)")
-    rest, skip = [], False
-    for token in own:
-        if skip:
-            skip = False
-        elif token == "--axis":
-            skip = True
-        elif not token.startswith("--axis="):
-            rest.append(token)
     return rest
 
 
