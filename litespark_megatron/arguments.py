@@ -395,6 +395,14 @@ def check(args, plat, world: Optional[int] = None) -> None:
                               f"{where}")
     if args.core_attention != "sdpa":
         _check_core_attention(args, plat)
+    if args.use_transformer_engine_op_fuser and spec.is_litespark:
+        _check_op_fuser(args)
+    if args.use_transformer_engine_op_fuser and args.fp8 and args.fp8_recipe == "delayed" and args.save and \
+            os.environ.get("RANK", "0") == "0":
+        # Measured: such a run stopped and resumed differs from the uninterrupted one from the first resumed step.
+        print(f"{PROG}: note: under --use-transformer-engine-op-fuser the MLP's FP8 delayed-scaling state (its amax "
+              "history) is not in the checkpoints (megatron-core keeps the fused ops outside the module tree): a "
+              "resumed run starts that history again, and is not bit-exact with an uninterrupted one", flush=True)
     if args.fp8_dot_product_attention:
         _check_fp8_attention(args)
     if args.chunked_output_loss is not None:
@@ -751,6 +759,17 @@ def _check_core_attention(args, plat) -> None:
                                                                      ", and Transformer Engine, not importable here"))
 
 
+def _check_op_fuser(args) -> None:
+    """--use-transformer-engine-op-fuser in the Litespark layer: its MLP (norm, fc1, SwiGLU, fc2) runs as one
+    sequence of Transformer Engine ops, as stock's TEFusedMLP."""
+    if args.transformer_impl != "transformer_engine":
+        raise ConfigError("--use-transformer-engine-op-fuser runs the MLP as Transformer Engine ops: it needs "
+                          "--transformer-impl transformer_engine")
+    if getattr(args, "peft", None) in ("lora", "dora"):
+        raise ConfigError(f"--use-transformer-engine-op-fuser with --peft {args.peft}: the fused MLP reads fc1's and "
+                          "fc2's weights itself, past their adapters; drop one")
+
+
 def _check_fp8_attention(args) -> None:
     if not args.fp8:
         raise ConfigError("--fp8-attention needs --fp8-format (attention joins the FP8 recipe of the GEMMs): add "
@@ -802,6 +821,9 @@ def _check_litespark_rmsnorm(args, plat) -> None:
     if args.multi_latent_attention:
         raise ConfigError("--litespark-rmsnorm with --multi-latent-attention: MLA's latent norms stay inside "
                           "Transformer Engine's up projections; drop one")
+    if args.use_transformer_engine_op_fuser:
+        raise ConfigError("--litespark-rmsnorm with --use-transformer-engine-op-fuser: the fused MLP runs its norm as "
+                          "one of Transformer Engine's ops; drop one")
 
 
 def _check_litespark_rope(args, plat) -> None:

@@ -238,8 +238,17 @@ def fusion_states(models, config, device_type: str) -> Dict[str, str]:
     # no trainable linear (--peft lora|dora: the adapters are no fused linears): no weight gradient to accumulate
     wgrad = "n/a" if total == 0 else "off" if fused == 0 else "on" if fused == total else \
         f"partial ({fused} of {total} linears)"
-    return dict(cross_entropy=cross_entropy_state(config), rope=rope_state(models, config, device_type),
-                wgrad_accumulation=wgrad)
+    states = dict(cross_entropy=cross_entropy_state(config), rope=rope_state(models, config, device_type),
+                  wgrad_accumulation=wgrad)
+    if _has_op_fuser_mlp(models):
+        states["mlp"] = "te-ops"
+    return states
+
+
+def _has_op_fuser_mlp(models) -> bool:
+    """Whether an MLP runs as Transformer Engine's op sequence (--use-transformer-engine-op-fuser: megatron-core's
+    TEFusedMLP, stock's or the Litespark one built on it). By class name: the class exists only where TE imports."""
+    return any(any(c.__name__ == "TEFusedMLP" for c in type(m).__mro__) for model in models for m in model.modules())
 
 
 def requested_fusions(args) -> Dict[str, bool]:
@@ -293,7 +302,7 @@ def from_metrics(records: Sequence[dict]) -> Optional[Health]:
 
 
 FUSION_NAMES = {"cross_entropy": "cross-entropy", "rope": "RoPE", "wgrad_accumulation": "wgrad-accumulation",
-                "rms_norm": "RMSNorm"}
+                "rms_norm": "RMSNorm", "mlp": "MLP"}
 
 
 def assess(attention: Sequence[AttentionUse], fusions: Dict[str, str], requested: Dict[str, bool],

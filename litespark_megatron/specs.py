@@ -69,7 +69,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                              num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                              q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
                              nsa=None, core_attention: str = "sdpa", norm: str = "default",
-                             adapters: bool = False, rope: str = "default") -> ModuleSpec:
+                             adapters: bool = False, rope: str = "default",
+                             mlp_op_fuser: bool = False) -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     core_attention "sdpa" (both backends): torch's scaled_dot_product_attention (LitesparkCoreAttention); on Hopper
@@ -94,18 +95,20 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     adapters (--peft lora|dora): the linears get LoRA/DoRA adapters after the model is built (peft.py), which read
     the linear's input; on te the norms before QKV and fc1 are then modules of their own (TENorm) before plain TE
     linears, their keys mapped to the fused ones, so the adapters see the normed input.
+    mlp_op_fuser (--use-transformer-engine-op-fuser, te): the dense MLP runs as one sequence of Transformer Engine
+    ops (layers/mlp.py), as stock's TEFusedMLP.
     """
     _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa)
     provider = litespark_spec_provider(backend, core_attention=core_attention, norm=norm, adapters=adapters)
     return litespark_layer(provider, multi_latent_attention=multi_latent_attention, num_experts=num_experts,
                            moe_grouped_gemm=moe_grouped_gemm, q_lora_rank=q_lora_rank, qk_layernorm=qk_layernorm,
-                           nsa=nsa, rope=rope)
+                           nsa=nsa, rope=rope, mlp_op_fuser=mlp_op_fuser)
 
 
 def litespark_layer(provider: LitesparkSpecProvider, multi_latent_attention: bool = False,
                     num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                     q_lora_rank: Optional[int] = None, qk_layernorm: bool = False, nsa=None,
-                    rope: str = "default") -> ModuleSpec:
+                    rope: str = "default", mlp_op_fuser: bool = False) -> ModuleSpec:
     """The layer body, the same on every backend: each module comes from the provider (spec_providers.py). The
     options as get_litespark_layer_spec's, which refuses the combinations this body is not built for."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -114,6 +117,7 @@ def litespark_layer(provider: LitesparkSpecProvider, multi_latent_attention: boo
     from megatron.core.transformer.mlp import MLPSubmodules
 
     from .layers import LitesparkMLP, LitesparkSelfAttention
+    from .layers.mlp import fused_mlp_class
 
     norm = provider.layer_norm(rms_norm=True)
     fused = provider.fuse_layernorm_and_linear()
@@ -148,7 +152,11 @@ def litespark_layer(provider: LitesparkSpecProvider, multi_latent_attention: boo
         mlp = get_moe_module_spec_for_backend(provider, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     else:
         pre_mlp_norm = fused_norm
-        mlp = ModuleSpec(module=LitesparkMLP, submodules=MLPSubmodules(linear_fc1=normed_linear, linear_fc2=row))
+        if mlp_op_fuser and not fused:
+            raise ConfigError("the Litespark MLP under Transformer Engine's op fuser takes its norm inside fc1 (TE's "
+                              "norm+linear): it needs the te backend, without Litespark's RMSNorm or adapters")
+        mlp_module = fused_mlp_class() if mlp_op_fuser else LitesparkMLP
+        mlp = ModuleSpec(module=mlp_module, submodules=MLPSubmodules(linear_fc1=normed_linear, linear_fc2=row))
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -234,7 +242,8 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
         return litespark_layer(provider, multi_latent_attention=multi_latent_attention, num_experts=num_experts,
                                moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                q_lora_rank=getattr(config, "q_lora_rank", None),
-                               qk_layernorm=bool(config.qk_layernorm), nsa=nsa, rope=rope)
+                               qk_layernorm=bool(config.qk_layernorm), nsa=nsa, rope=rope,
+                               mlp_op_fuser=bool(getattr(config, "use_transformer_engine_op_fuser", False)))
 
     dense = layer(None)
     moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock
