@@ -20,6 +20,10 @@ _warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Ap
 _warnings.filterwarnings("ignore", message=r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version "
                                            r"is 0\.0\.0\.")
 _warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental")
+# Some of megatron-core's docstrings hold invalid escape sequences, which Python's compiler reports (SyntaxWarning)
+# when it byte-compiles them: at install time with pip, at the first run where an installer does not byte-compile
+# (uv's default, pip --no-compile). Only warnings about megatron's own source files are dropped.
+_warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[/\\]megatron[/\\]")
 # Transformer Engine's package warns on import, wherever Jax is also installed (a common GPU image), that its Jax
 # extension is missing: this package runs TE's PyTorch side only.
 _warnings.filterwarnings("ignore", message=r"Detected a Jax installation but could not find the shared object file "

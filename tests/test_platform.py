@@ -521,6 +521,21 @@ def test_only_the_library_noise_is_dropped():
         "Transformer Engine failed to load its library"], proc.stderr
 
 
+def test_the_compilers_warnings_about_megatrons_sources_are_dropped_and_no_others(tmp_path):
+    """A megatron-core installed without byte-compiling (uv's default, pip --no-compile) has Python's compiler warn
+    about invalid escapes in its docstrings at the first run (seen on a GPU machine's install): dropped for megatron's
+    files only."""
+    import sys
+
+    code = ("import litespark_megatron\n"
+            f"compile('x = \"\\\\-\"', {str(tmp_path / 'megatron' / 'core' / 'allocator.py')!r}, 'exec')\n"
+            f"compile('x = \"\\\\-\"', {str(tmp_path / 'mine' / 'model.py')!r}, 'exec')\n")
+    proc = run([sys.executable, "-c", code], env=_as_a_user_runs_it())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = [line for line in proc.stderr.splitlines() if "SyntaxWarning" in line]
+    assert len(shown) == 1 and "mine" in shown[0] and "megatron" not in shown[0], proc.stderr
+
+
 def test_the_suites_cpu_pass_hides_transformer_engine(tmp_path, py):
     """The CPU pass runs as on a machine without a GPU (conftest.py): a Transformer Engine that is installed does not
     import in its children, nor in the test process; outside the pass it imports."""
