@@ -197,9 +197,8 @@ class AdaptedLinear(torch.nn.Module):
     def _plus_low_rank(self, out, x):
         """out + s B A x (LoRA's forward), in as few operations as the layout allows: the A's as one GEMM, the B's as
         one block matrix already in the fused output's row order (`_fused_b`), and the scaling and the sum in that
-        GEMM's epilogue (addmm). What it computes is `out + self._low_rank(x) * scale`, the definition; per
-        operation it is the host, not the GPU, that pays at a few thousand tokens per micro-batch, and this path
-        has half the operations of that one, forward and backward."""
+        GEMM's epilogue (addmm), so that no separate scaling, sum or interleaving copy of the output runs, forward or
+        backward. It computes `out + self._low_rank(x) * scale`, the definition (tests/test_adapters.py)."""
         u = self._down(x)
         b = self._fused_b()
         return torch.addmm(out.reshape(-1, out.shape[-1]), u.reshape(-1, u.shape[-1]), b.t(),
@@ -226,8 +225,10 @@ class AdaptedLinear(torch.nn.Module):
             return b[0]
         rows = self._fused_rows.get(b[0].device)
         if rows is None:  # where each fused output row comes from in the projection-major block matrix
-            offsets = torch.tensor([0] + [t.shape[0] for t in b], device=b[0].device).cumsum(0)
-            parts = [torch.arange(int(offsets[i]), int(offsets[i + 1]), device=b[0].device) for i in range(len(b))]
+            starts = [0]
+            for t in b:
+                starts.append(starts[-1] + t.shape[0])
+            parts = [torch.arange(start, end, device=b[0].device) for start, end in zip(starts, starts[1:])]
             rows = self._fused_rows[b[0].device] = interleave(parts, self.local_groups, dim=0)
         return torch.block_diag(*b).index_select(0, rows)
 

@@ -1,4 +1,4 @@
-"""Transformer Engine's FP8 delayed-scaling state, loaded back from a checkpoint made of nothing but that state.
+"""Transformer Engine's FP8 delayed-scaling state, loaded back on resume where its pickle holds nothing else.
 
 The gap: TE (2.18 and later; 2.20.2 here) saves each FP8 module's delayed-scaling state (its scales and amax
 histories, what lets a resumed FP8 run continue as the uninterrupted one) as a Python pickle in the checkpoint's
