@@ -19,20 +19,21 @@ from megatron.core.transformer.mlp import MLP
 from . import elementwise
 
 
-def require_llama_mlp(config) -> None:
-    if not (config.gated_linear_unit and config.activation_func is F.silu):
-        raise ValueError("LitesparkMLP computes SwiGLU: it needs gated_linear_unit=True, activation silu")
-    if config.add_bias_linear:
-        raise ValueError("LitesparkMLP has no biases (Llama); set add_bias_linear=False")
+class _LlamaMLP:
+    """The Litespark MLP's constructor, before either MLP class's own: a Llama MLP (SwiGLU, no biases), and
+    TransformerLayer's extra keywords (pg_collection, is_mtp_layer, name) left out."""
 
-
-class LitesparkMLP(MLP):
     def __init__(self, config, submodules, is_expert: bool = False, input_size=None, ffn_hidden_size=None,
                  tp_group=None, **unused):
-        require_llama_mlp(config)
+        if not (config.gated_linear_unit and config.activation_func is F.silu):
+            raise ValueError("LitesparkMLP computes SwiGLU: it needs gated_linear_unit=True, activation silu")
+        if config.add_bias_linear:
+            raise ValueError("LitesparkMLP has no biases (Llama); set add_bias_linear=False")
         super().__init__(config=config, submodules=submodules, is_expert=is_expert, input_size=input_size,
                          ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
 
+
+class LitesparkMLP(_LlamaMLP, MLP):
     def forward(self, hidden_states, **unused):
         # TransformerLayer also passes padding_mask=...; padding is handled by the loss mask, not here.
         gate_up, _ = self.linear_fc1(hidden_states)
@@ -46,11 +47,4 @@ def fused_mlp_class() -> type:
     class exists only where TE imports."""
     from megatron.core.extensions.transformer_engine import TEFusedMLP
 
-    class LitesparkFusedMLP(TEFusedMLP):
-        def __init__(self, config, submodules, is_expert: bool = False, input_size=None, ffn_hidden_size=None,
-                     tp_group=None, **unused):
-            require_llama_mlp(config)
-            super().__init__(config=config, submodules=submodules, is_expert=is_expert, input_size=input_size,
-                             ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
-
-    return LitesparkFusedMLP
+    return type("LitesparkFusedMLP", (_LlamaMLP, TEFusedMLP), {"__module__": __name__})
