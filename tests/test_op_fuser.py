@@ -42,11 +42,6 @@ def test_the_rmsnorm_kernels_default_leaves_the_norm_to_the_fuser(triton):
     assert (args.litespark_cross_entropy, args.litespark_rmsnorm, args.litespark_rope) == (True, False, True)
 
 
-def test_stock_keeps_megatron_cores_own_reading_of_the_flag(triton):
-    args = check(TINY + ["--spec", "stock-te", "--transformer-impl", "transformer_engine", "--bf16"] + FUSER, GPU_TE)
-    assert args.use_transformer_engine_op_fuser
-
-
 def test_the_spec_refuses_a_fused_mlp_without_tes_norm_and_linear():
     from litespark_megatron.specs import get_litespark_layer_spec
 
