@@ -45,21 +45,28 @@ def recipe_module(monkeypatch):
     return module
 
 
-def te_state(recipe_module, **extra):
-    """What TE's get_extra_state pickles for a delayed-scaling module."""
+def scaling_state(recipe_module, **extra):
+    """What TE's get_extra_state holds for a delayed-scaling module."""
     state = {"recipe": recipe_module.DelayedScaling(), "scale_fwd": torch.rand(3), "amax_history_fwd": torch.rand(8, 3),
              "scale_bwd": torch.rand(2), "amax_history_bwd": torch.rand(8, 2),
              "extra_fp8_variables": {"num_gemms": 1, "fp8_max_fwd": 448.0}}
     state.update(extra)
-    return pickle.dumps(state)
+    return state
+
+
+def te_state(recipe_module, **extra):
+    """... as TE pickles it."""
+    return pickle.dumps(scaling_state(recipe_module, **extra))
 
 
 def test_the_scaling_state_passes_and_unpickles_as_saved(recipe_module):
-    data = te_state(recipe_module)
+    state = scaling_state(recipe_module)
+    data = pickle.dumps(state)
     assert fp8_state.is_scaling_state(data)
-    loaded = pickle.loads(data)
-    assert loaded["recipe"] == recipe_module.DelayedScaling() and torch.equal(loaded["amax_history_fwd"],
-                                                                              pickle.loads(data)["amax_history_fwd"])
+    loaded = pickle.loads(data)  # what TE then loads: the stand-in recipe and the tensors as they were saved
+    assert loaded["recipe"] == state["recipe"] and loaded["recipe"].fp8_format is recipe_module.Format.HYBRID
+    assert all(torch.equal(loaded[key], state[key]) for key in ("scale_fwd", "amax_history_fwd", "scale_bwd",
+                                                                 "amax_history_bwd"))
 
 
 class _Runs:
