@@ -114,6 +114,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "Litespark's kernels (kernels/qkv_rope.py; Triton on a GPU, its plain-torch reference "
                         "elsewhere): one read and one write each way, instead of megatron-core's split, Transformer "
                         "Engine's RoPE kernels, the value's copy and the gradients' concatenation." + auto)
+    g.add_argument("--litespark-swiglu", action=argparse.BooleanOptionalAction, default=None,
+                   help="under FP8 (delayed scaling, te backend) the Litespark MLP's SwiGLU runs Litespark's kernels "
+                        "(kernels/swiglu_fp8.py): it writes fc2's FP8 input, and in the backward fc1's FP8 output "
+                        "gradient, row- and column-major in one pass, instead of a bf16 tensor that Transformer "
+                        "Engine casts again (layers kept in BF16 run TE's SwiGLU). Off unless given")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -414,6 +419,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_litespark_rmsnorm(args, plat)
     if args.litespark_rope:
         _check_litespark_rope(args, plat)
+    if args.litespark_swiglu:
+        _check_litespark_swiglu(args, plat)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     from .peft import check as check_peft
@@ -852,6 +859,30 @@ def _check_litespark_rope(args, plat) -> None:
         if refused:
             raise ConfigError(f"--litespark-rope {reason}")
     _check_triton("--litespark-rope", plat)
+
+
+def _check_litespark_swiglu(args, plat) -> None:
+    """Where the Litespark MLP's GEMMs run in FP8 under delayed scaling (the scaling the kernels write), and
+    nothing else owns the activation or its scaling state."""
+    recomputed = args.recompute_granularity == "full" or (
+        args.recompute_granularity == "selective" and "mlp" in (getattr(args, "recompute_modules", None) or ()))
+    refusals = (
+        (not SpecChoice.of(args).is_litespark, "builds the Litespark MLP's activation; it needs --spec litespark"),
+        (args.transformer_impl != "transformer_engine" or not args.fp8,
+         "writes Transformer Engine's FP8 tensors: it needs --fp8-format on the te backend (--transformer-impl "
+         "transformer_engine); in BF16 TE's SwiGLU already runs"),
+        (args.fp8 and args.fp8_recipe != "delayed", f"writes delayed-scaling FP8 (--fp8-recipe delayed), and the "
+                                                    f"recipe is {args.fp8_recipe}; drop one"),
+        (args.use_transformer_engine_op_fuser, "with --use-transformer-engine-op-fuser: the fused MLP runs "
+                                               "Transformer Engine's SwiGLU op; drop one"),
+        (recomputed, "with the MLP recomputed (--recompute-granularity full, or selective with mlp): Transformer "
+                     "Engine keeps its own copy of the FP8 scaling state for the recompute; drop one"),
+        (args.tp_comm_overlap, "with --tp-comm-overlap: not tested together yet; drop one"),
+    )
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(f"--litespark-swiglu {reason}")
+    _check_triton("--litespark-swiglu", plat)
 
 
 def _check_triton(flag: str, plat) -> None:

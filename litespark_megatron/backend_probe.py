@@ -242,6 +242,9 @@ def fusion_states(models, config, device_type: str) -> Dict[str, str]:
                   wgrad_accumulation=wgrad)
     if _has_op_fuser_mlp(models):
         states["mlp"] = "te-ops"
+    swiglu = {m.swiglu_ran for model in models for m in model.modules() if getattr(m, "swiglu_ran", None)}
+    if swiglu:  # --litespark-swiglu: what the MLPs' activations ran (layers/mlp.py)
+        states["swiglu"] = " + ".join(sorted(swiglu))
     return states
 
 
@@ -260,7 +263,8 @@ def requested_fusions(args) -> Dict[str, bool]:
         not getattr(args, "multi_latent_attention", False)
     cross_entropy = getattr(args, "cross_entropy_loss_fusion", False) or getattr(args, "litespark_cross_entropy", False)
     return dict(cross_entropy=bool(cross_entropy), rope=bool(rope),
-                wgrad_accumulation=bool(getattr(args, "gradient_accumulation_fusion", True)))
+                wgrad_accumulation=bool(getattr(args, "gradient_accumulation_fusion", True)),
+                swiglu=bool(getattr(args, "litespark_swiglu", False)))
 
 
 # --------------------------------------------------------------------------------------------- the verdict
@@ -302,7 +306,7 @@ def from_metrics(records: Sequence[dict]) -> Optional[Health]:
 
 
 FUSION_NAMES = {"cross_entropy": "cross-entropy", "rope": "RoPE", "wgrad_accumulation": "wgrad-accumulation",
-                "rms_norm": "RMSNorm", "mlp": "MLP"}
+                "rms_norm": "RMSNorm", "mlp": "MLP", "swiglu": "SwiGLU"}
 
 
 def assess(attention: Sequence[AttentionUse], fusions: Dict[str, str], requested: Dict[str, bool],
@@ -322,6 +326,8 @@ def assess(attention: Sequence[AttentionUse], fusions: Dict[str, str], requested
             degraded.append("cross-entropy fusion asked for but off")
         if requested.get("rope") and fusions.get("rope") == "unfused":
             degraded.append("RoPE fusion asked for but RoPE runs unfused")
+        if requested.get("swiglu") and "litespark-fp8" not in fusions.get("swiglu", ""):
+            degraded.append("Litespark's FP8 SwiGLU asked for but no layer ran it")
         wgrad = fusions.get("wgrad_accumulation", "n/a")
         if requested.get("wgrad_accumulation") and wgrad != "on" and wgrad != "n/a":
             degraded.append(f"weight-gradient accumulation fusion asked for but {wgrad}")

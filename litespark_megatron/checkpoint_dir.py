@@ -253,14 +253,19 @@ def already_saved(args, iteration: int) -> bool:
 
 
 class _Listener(callbacks.Listener):
-    """megatron.training's saves, as platform.callbacks tells them: no in-place re-save, a failed save as one line
-    and exit 1, then pruning in the background."""
+    """megatron.training's saves, as platform.callbacks tells them: none without --save, no in-place re-save, a
+    failed save as one line and exit 1, then pruning in the background."""
 
     def skip_save(self, iteration):
         from megatron.training import get_args
 
         current = get_args()
-        if not (current.save and already_saved(current, iteration)):
+        if not current.save:
+            # megatron.training saves on its own where a run names no directory: its rerun state machine after a
+            # NaN/Inf it saw again (megatron-core 0.19.2 then joins None into a path). Nothing to save to: the run
+            # stops with its one line (pretrain._explain_failed_validation: "no checkpoint holds it").
+            return True
+        if not already_saved(current, iteration):
             return False
         if _rank() == 0:
             _say(f"iteration {iteration} is already saved in {_dir(current.save, iteration)} (this run loaded it and "

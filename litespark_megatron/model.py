@@ -39,6 +39,8 @@ def model_config_from_args(args):
         bound["norm"] = "litespark"
     if getattr(args, "litespark_rope", False):
         bound["rope"] = "litespark"
+    if getattr(args, "litespark_swiglu", False):
+        bound["swiglu"] = "litespark"
     if getattr(args, "peft", None) in ("lora", "dora"):
         bound["adapters"] = True  # te: the norms before the adapted linears become modules of their own
     if bound:

@@ -43,7 +43,7 @@ MLA_LOCAL_TO_TE_KEYS = {
 
 
 def _refuse_unbuildable(backend: str, core_attention: str, norm: str, rope: str, multi_latent_attention: bool,
-                        nsa) -> None:
+                        nsa, swiglu: str = "default") -> None:
     """The option combinations no Litespark layer is built for, each with its reason."""
     if core_attention not in ("sdpa", "te"):
         raise ConfigError(f"unknown Litespark core attention '{core_attention}'; choose 'sdpa' or 'te'")
@@ -60,6 +60,10 @@ def _refuse_unbuildable(backend: str, core_attention: str, norm: str, rope: str,
     if rope == "litespark" and (multi_latent_attention or nsa is not None):
         raise ConfigError("Litespark's QKV split + RoPE builds the dense GQA attention's query, key and value; MLA "
                           "and native sparse attention build their own")
+    if swiglu not in ("default", "litespark"):
+        raise ConfigError(f"unknown Litespark SwiGLU '{swiglu}'; choose 'default' or 'litespark'")
+    if swiglu == "litespark" and backend != "te":
+        raise ConfigError("Litespark's FP8 SwiGLU writes Transformer Engine's FP8 tensors: it needs the te backend")
     if norm == "litespark" and multi_latent_attention:
         raise ConfigError("Litespark's RMSNorm with multi-latent attention: MLA's latent norms stay inside TE's up "
                           "projections")
@@ -70,7 +74,7 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
                              q_lora_rank: Optional[int] = None, qk_layernorm: bool = False,
                              nsa=None, core_attention: str = "sdpa", norm: str = "default",
                              adapters: bool = False, rope: str = "default",
-                             mlp_op_fuser: bool = False) -> ModuleSpec:
+                             mlp_op_fuser: bool = False, swiglu: str = "default") -> ModuleSpec:
     """ModuleSpec of a TransformerLayer made of Litespark modules. backend: "local" (runs anywhere) or "te".
 
     core_attention "sdpa" (both backends): torch's scaled_dot_product_attention (LitesparkCoreAttention); on Hopper
@@ -97,18 +101,20 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     linears, their keys mapped to the fused ones, so the adapters see the normed input.
     mlp_op_fuser (--use-transformer-engine-op-fuser, te): the dense MLP runs as one sequence of Transformer Engine
     ops (layers/mlp.py), as stock's TEFusedMLP.
+    swiglu "litespark" (--litespark-swiglu, te): the dense MLP's SwiGLU writes fc2's FP8 input and fc1's FP8 output
+    gradient itself under FP8 (kernels/swiglu_fp8.py).
     """
-    _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa)
+    _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa, swiglu)
     provider = litespark_spec_provider(backend, core_attention=core_attention, norm=norm, adapters=adapters)
     return litespark_layer(provider, multi_latent_attention=multi_latent_attention, num_experts=num_experts,
                            moe_grouped_gemm=moe_grouped_gemm, q_lora_rank=q_lora_rank, qk_layernorm=qk_layernorm,
-                           nsa=nsa, rope=rope, mlp_op_fuser=mlp_op_fuser)
+                           nsa=nsa, rope=rope, mlp_op_fuser=mlp_op_fuser, swiglu=swiglu)
 
 
 def litespark_layer(provider: LitesparkSpecProvider, multi_latent_attention: bool = False,
                     num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                     q_lora_rank: Optional[int] = None, qk_layernorm: bool = False, nsa=None,
-                    rope: str = "default", mlp_op_fuser: bool = False) -> ModuleSpec:
+                    rope: str = "default", mlp_op_fuser: bool = False, swiglu: str = "default") -> ModuleSpec:
     """The layer body, the same on every backend: each module comes from the provider (spec_providers.py). The
     options as get_litespark_layer_spec's, which refuses the combinations this body is not built for."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -155,8 +161,12 @@ def litespark_layer(provider: LitesparkSpecProvider, multi_latent_attention: boo
         if mlp_op_fuser and not fused:
             raise ConfigError("the Litespark MLP under Transformer Engine's op fuser takes its norm inside fc1 (TE's "
                               "norm+linear): it needs the te backend, without Litespark's RMSNorm or adapters")
+        if mlp_op_fuser and swiglu != "default":
+            raise ConfigError("Litespark's FP8 SwiGLU with Transformer Engine's op fuser: the fused MLP runs TE's "
+                              "SwiGLU op; drop one")
         mlp_module = fused_mlp_class() if mlp_op_fuser else LitesparkMLP
-        mlp = ModuleSpec(module=mlp_module, submodules=MLPSubmodules(linear_fc1=normed_linear, linear_fc2=row))
+        mlp = ModuleSpec(module=mlp_module, params={"swiglu": swiglu} if swiglu != "default" else {},
+                         submodules=MLPSubmodules(linear_fc1=normed_linear, linear_fc2=row))
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -217,12 +227,12 @@ def _te_keys_map(provider: LitesparkSpecProvider, multi_latent_attention: bool, 
 
 def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None, core_attention: str = "sdpa",
                          norm: str = "default", adapters: bool = False,
-                         rope: str = "default") -> TransformerBlockSubmodules:
+                         rope: str = "default", swiglu: str = "default") -> TransformerBlockSubmodules:
     """The Litespark layers this pipeline stage (and virtual stage) builds, and the final norm: the callable
     megatron.training's GPTModelConfig takes as its transformer_layer_spec. The backend follows
     --transformer-impl; model.py binds `nsa` (--attention-variant nsa: native sparse attention),
-    `core_attention` (--core-attention), `norm` (--litespark-rmsnorm), `rope` (--litespark-rope) and `adapters`
-    (--peft lora|dora).
+    `core_attention` (--core-attention), `norm` (--litespark-rmsnorm), `rope` (--litespark-rope), `swiglu`
+    (--litespark-swiglu) and `adapters` (--peft lora|dora).
 
     Which layers are MoE (--moe-layer-freq, an int or a 0/1 list pattern) and which layers this stage holds
     (--pipeline-model-parallel-layout, or the even split with its uneven-first/last variants) follow megatron-core's
@@ -235,7 +245,7 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
     config = getattr(model_config, "transformer", model_config)
     backend = "te" if config.transformer_impl == "transformer_engine" else "local"
     multi_latent_attention = bool(config.multi_latent_attention)
-    _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa)
+    _refuse_unbuildable(backend, core_attention, norm, rope, multi_latent_attention, nsa, swiglu)
     provider = litespark_spec_provider(backend, core_attention=core_attention, norm=norm, adapters=adapters)
 
     def layer(num_experts):
@@ -243,7 +253,8 @@ def litespark_layer_spec(model_config, vp_stage: Optional[int] = None, nsa=None,
                                moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                q_lora_rank=getattr(config, "q_lora_rank", None),
                                qk_layernorm=bool(config.qk_layernorm), nsa=nsa, rope=rope,
-                               mlp_op_fuser=bool(getattr(config, "use_transformer_engine_op_fuser", False)))
+                               mlp_op_fuser=bool(getattr(config, "use_transformer_engine_op_fuser", False)),
+                               swiglu=swiglu)
 
     dense = layer(None)
     moe = layer(config.num_moe_experts) if config.num_moe_experts else dense  # no experts: all dense, as stock

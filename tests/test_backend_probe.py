@@ -129,10 +129,12 @@ def test_requested_fusions_follow_megatron_flag_names():
     from types import SimpleNamespace
 
     assert backend_probe.requested_fusions(SimpleNamespace()) == dict(cross_entropy=False, rope=True,
-                                                                      wgrad_accumulation=True)
+                                                                      wgrad_accumulation=True, swiglu=False)
     asked = SimpleNamespace(cross_entropy_loss_fusion=True, apply_rope_fusion=False,
                             gradient_accumulation_fusion=False)
-    assert backend_probe.requested_fusions(asked) == dict(cross_entropy=True, rope=False, wgrad_accumulation=False)
+    assert backend_probe.requested_fusions(asked) == dict(cross_entropy=True, rope=False, wgrad_accumulation=False,
+                                                          swiglu=False)
+    assert backend_probe.requested_fusions(SimpleNamespace(litespark_swiglu=True))["swiglu"] is True
     mla = SimpleNamespace(multi_latent_attention=True)
     assert backend_probe.requested_fusions(mla)["rope"] is False
 
@@ -170,3 +172,18 @@ def test_te_fused_attention_runs_on_this_gpu():
     assert kinds <= {"fused", "flash"} and kinds, probe.attention
     assert backend_probe.te_attention_check(128, 8, 2) is None
     assert backend_probe.te_cudnn_version() == backend_probe.torch_cudnn_version()
+
+
+def test_the_fp8_swiglu_asked_for_and_not_run_is_degraded():
+    """--litespark-swiglu where every MLP ran TE's SwiGLU (no layer in FP8 under delayed scaling): flagged; where the
+    kernel ran: healthy, the record names what ran."""
+    from types import SimpleNamespace
+
+    use = [backend_probe.AttentionUse("cuDNN (torch SDPA)", "fused")]
+    asked = dict(ASKED, swiglu=True)
+    ran = lambda what: torch.nn.ModuleDict({"mlp": torch.nn.Module()}).apply(lambda m: setattr(m, "swiglu_ran", what))
+    for what, degraded in (("te", ["Litespark's FP8 SwiGLU asked for but no layer ran it"]), ("litespark-fp8", [])):
+        fusions = backend_probe.fusion_states([ran(what)], SimpleNamespace(), "cuda")
+        assert fusions["swiglu"] == what
+        health = backend_probe.assess(use, dict(fusions, cross_entropy="native", rope="te"), asked, "cuda")
+        assert health.degraded == degraded

@@ -264,6 +264,18 @@ def test_nan_loss_stops_the_run(tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in resumed.values()), resumed
 
 
+def test_nan_loss_without_save_stops_the_run_in_one_line(tmp_path):
+    """The same NaN in a run without --save: megatron.training's rerun state machine still asks for a checkpoint
+    (megatron-core 0.19.2 then fails joining None into a path, a traceback); the run saves nothing, and stops with
+    exit 16 and the one line, which says no checkpoint holds the state."""
+    proc = train(1, *MOCK, env=child_env(MASTER_PORT=free_port(), LITESPARK_TEST_NAN_AT_STEP=3))
+    assert proc.returncode == 16, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]
+    assert errors == ["litespark-train: error: step 3: found NaN in local forward loss calculation (rank 0, value "
+                      "nan); the step was not applied, no checkpoint holds it; exit 16"], errors
+
+
 def test_tensorboard_holds_megatron_lm_tags_and_litespark_tags(saved_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

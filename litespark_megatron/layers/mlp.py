@@ -5,6 +5,11 @@ The gate and up projections are one GEMM (megatron-core's `linear_fc1` with the 
 On the te backend fc1 also carries the pre-MLP RMSNorm (TE's LayerNormLinear), so norm + fc1 is one module.
 Parameters and their layout are megatron-core's, so checkpoints are interchangeable with the stock specs.
 
+With --litespark-swiglu, under FP8 (TE's delayed scaling) the SwiGLU is Litespark's (kernels/swiglu_fp8.py): it
+writes fc2's FP8 input, and in the backward fc1's FP8 output gradient, in both layouts in one pass, so neither GEMM
+casts a bf16 tensor again. The MLP then runs on [tokens, hidden] rows (a view): TE keeps a gradient's column-major
+layout only where its shape stays the same.
+
 With --use-transformer-engine-op-fuser (te backend) the same modules run as one sequence of Transformer Engine ops
 (`fused_mlp_class`, megatron-core's TEFusedMLP): TE then hands each op the next GEMM's quantizer, so under FP8 the
 norm and the SwiGLU write fc1's and fc2's FP8 inputs themselves instead of a bf16 tensor cast again.
@@ -16,6 +21,7 @@ import functools
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
+from ..kernels.swiglu_fp8 import swiglu_fp8_path, swiglu_to_fp8
 from . import elementwise
 
 
@@ -34,10 +40,60 @@ class _LlamaMLP:
 
 
 class LitesparkMLP(_LlamaMLP, MLP):
+    def __init__(self, *args, swiglu: str = "default", **kwargs):
+        """swiglu "default": Transformer Engine's SwiGLU where TE is installed (elementwise.py); "litespark"
+        (--litespark-swiglu): Litespark's FP8 SwiGLU where fc1 and fc2 run in FP8 under delayed scaling, the
+        default elsewhere (a layer kept in BF16, a CPU)."""
+        if swiglu not in ("default", "litespark"):
+            raise ValueError(f"unknown SwiGLU kernel '{swiglu}'; choose 'default' or 'litespark'")
+        super().__init__(*args, **kwargs)
+        self.swiglu = swiglu
+        self.swiglu_ran = None  # what the last forward ran, with --litespark-swiglu (the run's health record)
+
     def forward(self, hidden_states, **unused):
         # TransformerLayer also passes padding_mask=...; padding is handled by the loss mask, not here.
-        gate_up, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(elementwise.swiglu(gate_up))
+        if self.swiglu == "default":
+            gate_up, _ = self.linear_fc1(hidden_states)
+            return self.linear_fc2(elementwise.swiglu(gate_up))
+        shape = hidden_states.shape
+        gate_up, _ = self.linear_fc1(hidden_states.reshape(-1, shape[-1]))
+        quantizers = fp8_swiglu_quantizers(self.linear_fc1, self.linear_fc2) if gate_up.is_cuda else None
+        if quantizers:
+            activation = swiglu_to_fp8(gate_up, *quantizers)
+            self.swiglu_ran = "litespark-fp8" + ("" if swiglu_fp8_path("cuda") == "litespark" else " (reference)")
+        else:  # this layer's GEMMs are not in FP8 under delayed scaling
+            activation = elementwise.swiglu(gate_up)
+            self.swiglu_ran = elementwise.swiglu_impl(gate_up.device.type)
+        out, bias = self.linear_fc2(activation)
+        return out.view(*shape[:-1], out.size(-1)), bias
+
+
+def fp8_swiglu_quantizers(fc1, fc2):
+    """(fc2's input quantizer, fc1's output-gradient quantizer) where both GEMMs run in FP8 under delayed scaling
+    (Transformer Engine's Float8Quantizer: a scale to read, an amax to max into), else None: BF16, a layer megatron
+    keeps in BF16 (--first-last-layers-bf16), another recipe, the local backend. Called after fc1's forward, which
+    set fc1's up; fc2's FP8 state is set up here as its own forward would (the call is idempotent)."""
+    if not (hasattr(fc1, "quantizers") and hasattr(fc2, "init_fp8_metadata")):
+        return None
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # TE before the module's rename
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    if not (FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.get_fp8_recipe().delayed()):
+        return None
+    import transformer_engine_torch as tex
+
+    fc2.init_fp8_metadata()
+    found = (_quantizer(fc2, "scaling_fwd", tex.FP8FwdTensors.GEMM1_INPUT),
+             _quantizer(fc1, "scaling_bwd", tex.FP8BwdTensors.GRAD_OUTPUT1))
+    return found if all(isinstance(q, Float8Quantizer) for q in found) else None
+
+
+def _quantizer(module, kind: str, index):
+    quantizers = module.quantizers.get(kind) or ()
+    return quantizers[int(index)] if int(index) < len(quantizers) else None
 
 
 @functools.lru_cache(maxsize=None)

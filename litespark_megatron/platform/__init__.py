@@ -15,6 +15,7 @@ test_checkpoint_dir.py): when megatron-core is upgraded, these are the files to 
     optimizer_overrides.py  per-parameter optimizer overrides added to megatron.training's (LoRA-plus)
     checkpoint_contents.py  checkpoints of the trainable parameters alone (--save-adapters-only)
     fp8_state.py         Transformer Engine's FP8 delayed-scaling state loaded back on resume (its pickle checked)
+    float8_reshape.py    Transformer Engine's Float8Tensor.reshape given its shape as one tuple
 
 megatron.training (megatron-core 0.19.2) is the trainer. It assumes CUDA throughout; on a CPU-only torch,
 `apply_cpu_shims()` maps those assumptions to the CPU, one shim per assumption, each documented with the megatron
@@ -37,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from .checkpoint_contents import save_trainable_only  # noqa: F401
 from .detection import Platform, current_device, detect, te_importable  # noqa: F401
+from .float8_reshape import reshape_takes_a_shape_tuple  # noqa: F401
 from .fp8_state import load_fp8_scaling_state  # noqa: F401
 from .helper_processes import STOP_SIGNALS, die_with_parent, helper_processes_die_with_the_trainer  # noqa: F401
 from .library_gaps import (load_optimizer_shards_without_autograd, pass_rope_scaling_factor,  # noqa: F401
@@ -75,6 +77,7 @@ def prepare_libraries() -> Platform:
         provide_wgrad_accumulation_kernel()
     if plat.te:
         load_fp8_scaling_state()
+        reshape_takes_a_shape_tuple()
     helper_processes_die_with_the_trainer()
     return plat
 

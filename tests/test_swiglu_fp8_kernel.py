@@ -1,0 +1,230 @@
+"""Litespark's FP8 SwiGLU (kernels/swiglu_fp8.py): the Triton kernels compute the plain-torch reference's values
+and write them in both FP8 layouts with the tensor's amax (Triton's interpreter on the CPU, compiled on a GPU), over
+odd sizes and both FP8 formats, forward and backward; the reference's backward is the forward's gradient;
+--litespark-swiglu trains as the default SwiGLU does, says so in the run's record, resumes bit-exactly, and is
+refused where it has nothing to act on."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import child_env, free_port, losses, ok, records, run_interpreted, train
+from test_arguments import GPU_TE, TINY, check
+from litespark_megatron.arguments import ConfigError
+from litespark_megatron.kernels import swiglu_fp8 as sf
+
+# Largest counts over every case: bytes that differ from the reference's (and by how many FP8 steps), layouts that
+# are not each other's transpose, amax's relative error; the scales cover saturation and subnormal numbers.
+INTERPRETED = """
+import json, torch
+from litespark_megatron.kernels import swiglu_fp8 as sf
+
+result = {"mismatched": 0, "elements": 0, "max_step": 0, "layouts_agree": True, "amax_err": 0.0,
+          "scale_inv_exact": True, "saturated": True}
+torch.manual_seed(0)
+for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    for rows, f in ((3, 5), (70, 37), (129, 64), (1, 130)):  # odd sizes; f as a TP rank's share of an FFN
+        for xdtype in (torch.float32, torch.bfloat16):
+            for spread, scale in ((3.0, 7.5), (0.01, 1.0), (3.0, 1e30), (1e-3, 50.0)):  # saturated, subnormal
+                x = (torch.randn(rows, 2 * f) * spread).to(xdtype)
+                dy = torch.randn(rows, f).to(xdtype)
+                s = torch.tensor([scale])
+                for fast, ref, args, start in ((sf.swiglu_fp8_triton, sf.swiglu_fp8_reference, (x,), 0.5),
+                                               (sf.dswiglu_fp8_triton, sf.dswiglu_fp8_reference, (dy, x), 0.0)):
+                    a1, a2 = torch.tensor([start]), torch.tensor([start])
+                    got, want = fast(*args, s, a1, dtype), ref(*args, s, a2, dtype)
+                    g, w = got[0].view(torch.uint8), want[0].view(torch.uint8)
+                    result["mismatched"] += (g != w).sum().item()
+                    result["elements"] += g.numel()
+                    result["max_step"] = max(result["max_step"], (g.int() - w.int()).abs().max().item())
+                    result["layouts_agree"] &= torch.equal(got[1].view(torch.uint8), g.t())
+                    result["amax_err"] = max(result["amax_err"], abs(a1.item() - a2.item()) / a2.item())
+                    result["scale_inv_exact"] &= torch.equal(got[2], want[2])
+                    if scale == 1e30:  # every value saturates to the largest finite one (or is zero), none is NaN
+                        top = torch.finfo(dtype).max
+                        result["saturated"] &= set(got[0].float().abs().unique().tolist()) <= {0.0, top}
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_interpreted(tmp_path_factory, "swiglu-fp8-interpreted", INTERPRETED)
+
+
+def test_triton_kernels_write_the_references_bytes_in_both_layouts(interpreted):
+    """Every FP8 byte as the reference's (the kernels convert by integer arithmetic, exact under the interpreter; the
+    fp32 exponentials of the two may differ in their last bit, which moves a value across an FP8 rounding boundary
+    about once in a million, one step); the column-major tensor is the row-major one transposed; amax the largest
+    |value| (and the one already there); 1 / scale beside them; a scale past the format's range saturates instead of
+    making NaN."""
+    assert interpreted["mismatched"] <= interpreted["elements"] * 1e-4 and interpreted["max_step"] <= 1, interpreted
+    assert interpreted["layouts_agree"] and interpreted["scale_inv_exact"] and interpreted["saturated"], interpreted
+    assert interpreted["amax_err"] <= 1e-6, interpreted
+
+
+def test_the_references_backward_is_the_gradient_of_its_forward():
+    """dswiglu_reference against autograd of silu(gate) * up, in fp64."""
+    torch.manual_seed(0)
+    x = (torch.randn(9, 2 * 13, dtype=torch.float64) * 4).requires_grad_()
+    dy = torch.randn(9, 13, dtype=torch.float64)
+    gate, up = x.chunk(2, dim=-1)
+    (want,) = torch.autograd.grad(F.silu(gate) * up, x, dy)
+    assert torch.allclose(sf.dswiglu_reference(dy, x.detach()), want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_reference_quantizes_as_delayed_scaling_does():
+    """Scaled, saturated, rounded to nearest even; amax the max of the one there and the tensor's; the layouts each
+    other's transpose; the reciprocal scale beside them."""
+    gate_up = torch.tensor([[1.0, -2.0, 2.0, 4.0], [0.0, 30.0, 1.0, 1.0]])
+    amax = torch.tensor([100.0])
+    row, col, scale_inv = sf.swiglu_fp8_reference(gate_up, torch.tensor([32.0]), amax, torch.float8_e4m3fn)
+    values = F.silu(gate_up[:, :2]) * gate_up[:, 2:]
+    assert torch.equal(row.float(), (values * 32).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    # 1.462 * 32 = 46.8 -> 48 (e4m3 steps by 4 there), -0.954 * 32 = -30.5 -> -30 (steps of 2), 30 * 32 -> 448
+    assert row.float().tolist() == [[48.0, -30.0], [0.0, 448.0]]
+    assert torch.equal(col, row.t()) and amax.item() == 100.0 and scale_inv.item() == 1 / 32
+    sf.swiglu_fp8_reference(gate_up, torch.tensor([1.0]), amax, torch.float8_e4m3fn)
+    assert amax.item() == 100.0  # nothing larger came
+    sf.swiglu_fp8_reference(gate_up * 10, torch.tensor([1.0]), amax, torch.float8_e4m3fn)
+    assert amax.item() == pytest.approx((F.silu(gate_up[:, :2] * 10) * gate_up[:, 2:] * 10).abs().max().item())
+
+
+def test_formats_and_shapes_it_does_not_take_are_refused():
+    assert sf.fp8_format("DType.kFloat8E5M2") == (torch.float8_e5m2, 57344.0)
+    with pytest.raises(ValueError, match=r"^FP8 SwiGLU: no FP8 format kBFloat16; Transformer Engine's "
+                                         r"\['kFloat8E4M3', 'kFloat8E5M2'\] only$"):
+        sf.fp8_format("DType.kBFloat16")
+    with pytest.raises(ValueError, match=r"^FP8 SwiGLU: input of shape \(2, 3, 8\); it takes \[rows, 2f\] laid out "
+                                         r"\[gate \| up\]$"):
+        sf.swiglu_to_fp8(torch.zeros(2, 3, 8), None, None)
+
+
+@pytest.mark.parametrize("flags, plat, message", [
+    (["--spec", "stock-te"], GPU_TE, "--litespark-swiglu builds the Litespark MLP's activation; it needs --spec "
+                                     "litespark"),
+    (["--spec", "litespark", "--transformer-impl", "transformer_engine", "--bf16"], GPU_TE,
+     "--litespark-swiglu writes Transformer Engine's FP8 tensors: it needs --fp8-format on the te backend "
+     "(--transformer-impl transformer_engine); in BF16 TE's SwiGLU already runs"),
+    (["--spec", "litespark"], None,
+     "--litespark-swiglu writes Transformer Engine's FP8 tensors: it needs --fp8-format on the te backend "
+     "(--transformer-impl transformer_engine); in BF16 TE's SwiGLU already runs"),
+    (["--spec", "litespark", "--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid",
+      "--fp8-recipe", "tensorwise"], GPU_TE,
+     "--litespark-swiglu writes delayed-scaling FP8 (--fp8-recipe delayed), and the recipe is tensorwise; drop one"),
+    (["--spec", "litespark", "--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid",
+      "--use-transformer-engine-op-fuser"], GPU_TE,
+     "--litespark-swiglu with --use-transformer-engine-op-fuser: the fused MLP runs Transformer Engine's SwiGLU op; "
+     "drop one"),
+    (["--spec", "litespark", "--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid",
+      "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], GPU_TE,
+     "--litespark-swiglu with the MLP recomputed (--recompute-granularity full, or selective with mlp): Transformer "
+     "Engine keeps its own copy of the FP8 scaling state for the recompute; drop one"),
+])
+def test_the_flag_is_refused_where_it_has_no_fp8_swiglu_to_run(flags, plat, message):
+    with pytest.raises(ConfigError) as e:
+        check(TINY + ["--litespark-swiglu"] + flags, *([plat] if plat else []))
+    assert str(e.value) == message
+
+
+def test_the_spec_gives_the_dense_mlp_the_kernel_and_refuses_what_cannot_take_it():
+    from litespark_megatron.layers import LitesparkMLP
+    from litespark_megatron.specs import get_litespark_layer_spec
+
+    mlp = get_litespark_layer_spec("te", swiglu="litespark").submodules.mlp
+    assert mlp.module is LitesparkMLP and mlp.params == {"swiglu": "litespark"}
+    assert get_litespark_layer_spec("te").submodules.mlp.params == {}
+    with pytest.raises(ConfigError, match="^Litespark's FP8 SwiGLU writes Transformer Engine's FP8 tensors: it needs "
+                                          "the te backend$"):
+        get_litespark_layer_spec("local", swiglu="litespark")
+    with pytest.raises(ValueError, match="^unknown SwiGLU kernel 'fast'; choose 'default' or 'litespark'$"):
+        LitesparkMLP(None, None, swiglu="fast")
+
+
+# --------------------------------------------------------------------------------------------- on a GPU
+def _bytes_agree(got, want):
+    """All but one in 10^4 FP8 bytes equal, the rest one step apart (fp32 exponentials differing in the last bit)."""
+    got, want = got.view(torch.uint8), want.view(torch.uint8)
+    differ = got != want
+    steps = (got.to(torch.int16) - want.to(torch.int16)).abs()
+    return differ.float().mean().item() <= 1e-4 and (steps[differ] <= 1).all().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_compiled_kernels_equal_the_reference_on_the_gpu():
+    """llama-3b's MLP on one micro-batch row block (4,096 rows, FFN 8,192) and a TP share of odd size, bf16 in, both
+    formats: the reference's bytes (torch's conversion: the GPU's, round to nearest even, saturated) in both layouts,
+    its amax and 1 / scale."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton's FP8 conversions need compute capability 8.9 or more")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, f in ((4096, 8192), (1000, 1365)):
+        x = (torch.randn(rows, 2 * f, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        dy = (torch.randn(rows, f, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+        for dtype, scale in ((torch.float8_e4m3fn, 20.0), (torch.float8_e5m2, 3e4)):
+            s = torch.tensor([scale], device="cuda")
+            for fast, ref, args in ((sf.swiglu_fp8_triton, sf.swiglu_fp8_reference, (x,)),
+                                    (sf.dswiglu_fp8_triton, sf.dswiglu_fp8_reference, (dy, x))):
+                a1, a2 = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+                got, want = fast(*args, s, a1, dtype), ref(*args, s, a2, dtype)
+                assert _bytes_agree(got[0], want[0]) and _bytes_agree(got[1], want[1]), (rows, f, dtype, fast)
+                assert torch.equal(got[1], got[0].t().contiguous())
+                assert abs(a1.item() - a2.item()) <= 1e-6 * a2.item() and torch.equal(got[2], want[2])
+
+
+FP8_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-batch-size", "8", "--micro-batch-size",
+           "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6", "--log-interval", "1", "--eval-iters",
+           "0", "--eval-interval", "100", "--seed", "7", "--save-interval", "100", "--bf16", "--fp8-format", "hybrid",
+           "--fp8-recipe", "delayed", "--spec", "litespark", "--transformer-impl", "transformer_engine"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 runs on a GPU with FP8 tensor cores")
+def test_an_fp8_run_with_the_kernel_trains_as_the_default_says_so_and_resumes_bit_exactly(tmp_path):
+    """Six FP8 steps with --litespark-swiglu against the default SwiGLU: the same losses to FP8's rounding (the kernel
+    casts fp32 to FP8 where the default casts its bf16 result), the record names the kernel, and a run stopped at
+    step 3 and resumed equals the uninterrupted one bit for bit (the scaling state is fc1's and fc2's, in their
+    checkpoints)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9 or more")
+
+    def env():
+        return child_env(MASTER_PORT=free_port())
+    default, straight, halves = tmp_path / "default", tmp_path / "straight", tmp_path / "halves"
+    ok(train(1, *FP8_RUN, "--save", default, env=env()))
+    ok(train(1, *FP8_RUN, "--litespark-swiglu", "--save", straight, env=env()))
+    ok(train(1, *FP8_RUN, "--litespark-swiglu", "--save", halves, "--load", halves, "--exit-interval", "3", env=env()))
+    ok(train(1, *FP8_RUN, "--litespark-swiglu", "--save", halves, "--load", halves, env=env()))
+    base, fast, resumed = (losses(d / "metrics.jsonl") for d in (default, straight, halves))
+    assert sorted(fast) == sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert [fast[s] for s in range(1, 7)] == [resumed[s] for s in range(1, 7)], (fast, resumed)
+    assert all(abs(fast[s] - base[s]) <= 1e-2 * abs(base[s]) for s in range(1, 7)), (fast, base)
+    health = [r for r in records(straight / "metrics.jsonl") if r["kind"] == "health"][0]
+    assert health["fusions"]["swiglu"] == "litespark-fp8" and not health["degraded"], health
+
+
+@pytest.mark.gpu
+def test_float8_tensors_reshape_keeps_the_transposed_data_of_a_shape_tuple():
+    """TE's backward reshapes each output gradient with one tuple (`g.reshape((-1, n))`); TE 2.20.2 then labels the
+    transposed data [rows, n] (platform/float8_reshape.py). The patched reshape keeps it [n, rows]. When the
+    unpatched assertion fails, TE has fixed its reshape: drop the patch."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+    from litespark_megatron.platform import reshape_takes_a_shape_tuple
+
+    reshape_takes_a_shape_tuple()
+    reshape_takes_a_shape_tuple()  # idempotent: one wrapper
+    assert not getattr(Float8Tensor.reshape.unfixed, "litespark_fixed", False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    row = torch.arange(24, dtype=torch.uint8, device=device).reshape(6, 4)
+    t = Float8Tensor(shape=row.shape, dtype=torch.bfloat16, data=row, fp8_scale_inv=torch.ones(1, device=device),
+                     fp8_dtype=tex.DType.kFloat8E4M3, data_transpose=row.t().contiguous(), quantizer=None,
+                     requires_grad=False, device=row.device)
+    for shape in (((-1, 4),), ([6, 4],), (torch.Size([6, 4]),), (-1, 4)):
+        fixed = t.reshape(*shape)
+        assert fixed._transpose.shape == (4, 6) and torch.equal(fixed._transpose, row.t()), shape
+    assert Float8Tensor.reshape.unfixed(t, (-1, 4))._transpose.shape == (6, 4)  # TE's own, unfixed
