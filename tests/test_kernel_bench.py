@@ -10,6 +10,10 @@ from litespark_megatron.apps import kernel_bench
     (["--kernel", "qkv-rope", "--hidden", "3072"], "kernel_bench.py: error: --kernel qkv-rope takes its heads, query "
                                                    "groups and head size from --model NAME (see --help)"),
     (["--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it compares run on a GPU"),
+    (["--kernel", "swiglu-fp8"], "kernel_bench.py: error: --kernel swiglu-fp8 takes its FFN size from --model NAME "
+                                 "(see --help)"),
+    (["--kernel", "swiglu-fp8", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels "
+                                                        "it compares run on a GPU"),
     (["--kernel", "qkv-rope", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it "
                                                       "compares run on a GPU"),
 ])
@@ -57,3 +61,19 @@ def test_the_harness_measures_a_candidate_against_the_reference_and_names_what_c
         raise kernel_bench.Unavailable("no such kernel here")
     assert kernel_bench._measure({"candidate": "c"}, lambda x: unavailable(), (), (x,), (x,), None, (1, 1)) == \
         {"candidate": "c", "unavailable": "no such kernel here"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels it compares run on CUDA")
+def test_the_fp8_swiglu_table_has_every_candidate_within_fp8s_rounding():
+    """tiny's FFN (352 channels, a partial tile) on 512 rows: Litespark's kernels and TE's two paths each measured,
+    their FP8 values within FP8's rounding of the fp64 function (e4m3: 2^-4 of the largest; e5m2: 2^-3)."""
+    rows = kernel_bench.bench_swiglu_fp8(352, 512)
+    assert [r["candidate"] for r in rows] == ["litespark", "te + cast/transpose",
+                                              "te fused cast, then transpose (op fuser)"]
+    if "unavailable" in rows[1]:
+        pytest.skip(rows[1]["unavailable"])
+    for r in rows:
+        assert "unavailable" not in r, r
+        assert r["error_outputs"] <= 2 ** -4 and r["error_gradients"] <= 2 ** -3, r
+        assert r["forward_kernel_ms"] > 0 and r["forward_backward_kernel_ms"] > r["forward_kernel_ms"], r

@@ -2,6 +2,7 @@
 
     python tools/kernel_bench.py --kernel rms-norm --hidden 3072 --tokens 16384
     python tools/kernel_bench.py --kernel qkv-rope --model llama-3b --micro-batch-size 4 --json
+    python tools/kernel_bench.py --kernel swiglu-fp8 --model llama-3b
 
 Each candidate runs the same inputs forward, and forward+backward, two ways: under triton.testing.do_bench (the L2
 flushed between repeats, the median of its repeats: the time a caller waits, the host's launch work included, which
@@ -138,6 +139,80 @@ def bench_qkv_rope(heads: int, groups: int, head_size: int, seq: int, batch: int
             for name, build in QKV_ROPE]
 
 
+# ---------------------------------------------------------------------------------------------- FP8 SwiGLU
+# The MLP's activation under FP8 is two passes that autograd does not join (fc2 takes the forward's FP8 tensor, fc1's
+# backward the backward's), so each candidate gives both passes and how to read its FP8 result as values.
+def _swiglu_litespark(x, dy):
+    from litespark_megatron.kernels import swiglu_fp8 as sf
+    if sf.swiglu_fp8_path("cuda") != "litespark":
+        raise Unavailable("Triton does not import here")
+    scale, amax = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    return (lambda: sf.swiglu_fp8_triton(x, scale, amax, torch.float8_e4m3fn),
+            lambda: sf.dswiglu_fp8_triton(dy, x, scale, amax, torch.float8_e5m2),
+            lambda out: out[0].float() * out[2])
+
+
+def _swiglu_te(x, dy, fused: bool):
+    """TE's kernels: its bf16 SwiGLU pair, each result cast to FP8 row- and column-major by a TE quantizer (the
+    Litespark MLP without the flag, fc2 and fc1 casting); `fused`: TE's SwiGLU writing row-major FP8 and the
+    transpose after it (its op fuser's path on Hopper)."""
+    _import_te()
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    def quantizer(dtype):
+        return Float8Quantizer(torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), dtype,
+                               rowwise=True, columnwise=not fused)
+    forward_q, backward_q = quantizer(tex.DType.kFloat8E4M3), quantizer(tex.DType.kFloat8E5M2)
+    if fused:
+        def both_layouts(q):
+            q.update_usage(columnwise_usage=True)
+            return q
+        return (lambda: both_layouts(tex.swiglu(x, forward_q)), lambda: both_layouts(tex.dswiglu(dy, x, backward_q)),
+                lambda out: out.dequantize(dtype=torch.float32))
+    return (lambda: forward_q(tex.swiglu(x, None)), lambda: backward_q(tex.dswiglu(dy, x, None)),
+            lambda out: out.dequantize(dtype=torch.float32))
+
+
+SWIGLU_FP8 = (("litespark", _swiglu_litespark), ("te + cast/transpose", lambda x, dy: _swiglu_te(x, dy, False)),
+              ("te fused cast, then transpose (op fuser)", lambda x, dy: _swiglu_te(x, dy, True)))
+
+
+def bench_swiglu_fp8(ffn: int, tokens: int) -> List[dict]:
+    """Rows of the FP8 SwiGLU table: [tokens, 2 * ffn] bf16 [gate | up] to FP8 (e4m3) in both layouts, and the
+    backward from a bf16 [tokens, ffn] gradient to FP8 (e5m2) in both layouts. "forward+backward" is the two
+    passes; the errors are the FP8 values' against fp64 (FP8's own rounding, about 2^-4 of the largest)."""
+    from litespark_megatron.kernels.swiglu_fp8 import dswiglu_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16)
+    gate, up = x.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up, dswiglu_reference(dy.double(), x.double())
+    # Bytes a pass must move at least: forward reads [gate | up] and writes two FP8 layouts of f; backward reads dy
+    # and [gate | up] and writes two FP8 layouts of 2f.
+    moved = (2 * x.numel() + 2 * dy.numel(), 2 * dy.numel() + 2 * x.numel() + 2 * x.numel())
+    rows = []
+    for name, build in SWIGLU_FP8:
+        row = dict(kernel="swiglu-fp8", candidate=name, shape=f"{tokens} x 2 x {ffn}", dtype="bf16 -> fp8")
+        try:
+            forward, backward, values = build(x, dy)
+            got = values(forward()), values(backward())
+        except Unavailable as e:
+            rows.append(dict(row, unavailable=str(e)))
+            continue
+
+        def passes():
+            forward()
+            backward()
+        fk, bk = _kernel_ms(forward), _kernel_ms(passes)
+        rows.append(dict(row, forward_ms=_median_ms(forward), forward_kernel_ms=fk,
+                         forward_backward_ms=_median_ms(passes), forward_backward_kernel_ms=bk, forward_gb_s=moved[0] / fk / 1e6,
+                         forward_backward_gb_s=(moved[0] + moved[1]) / bk / 1e6,
+                         error_outputs=_error(got[0], want[0]), error_gradients=_error(got[1], want[1])))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- the harness
 def _import_te():
     try:
@@ -210,13 +285,13 @@ def render(rows: Sequence[dict]) -> str:
 
 def build_parser() -> cli.OneLineParser:
     p = cli.OneLineParser(prog="kernel_bench.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope"], default="rms-norm")
+    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8"], default="rms-norm")
     p.add_argument("--model", choices=sorted(PRESETS), help="take the shape (hidden size, heads) from this preset")
     p.add_argument("--hidden", type=cli.positive_int, action="append",
                    help="rms-norm: hidden size (repeatable; default the --model's)")
     p.add_argument("--tokens", type=cli.positive_int, default=16384,
-                   help="rms-norm: rows, micro-batch x sequence length (default 16384, llama-3b's micro-batch 4 "
-                        "x 4096)")
+                   help="rms-norm, swiglu-fp8: rows, micro-batch x sequence length (default 16384, llama-3b's "
+                        "micro-batch 4 x 4096)")
     p.add_argument("--seq-length", type=cli.positive_int, default=4096, help="qkv-rope: sequence length")
     p.add_argument("--micro-batch-size", type=cli.positive_int, default=4, help="qkv-rope: micro-batch")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -235,14 +310,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hidden = list(opts.hidden or []) or ([int(flags["hidden-size"])] if flags else [])
     if opts.kernel == "rms-norm" and not hidden:
         return _refuse("give --hidden N or --model NAME")
-    if opts.kernel == "qkv-rope" and not flags:
-        return _refuse("--kernel qkv-rope takes its heads, query groups and head size from --model NAME")
+    if opts.kernel in ("qkv-rope", "swiglu-fp8") and not flags:
+        what = "heads, query groups and head size" if opts.kernel == "qkv-rope" else "FFN size"
+        return _refuse(f"--kernel {opts.kernel} takes its {what} from --model NAME")
     if not torch.cuda.is_available():
         return _refuse("no CUDA device here; the kernels it compares run on a GPU", see_help=False)
     rows: List[Dict] = []
     if opts.kernel == "rms-norm":
         for h in hidden:
             rows += bench_rms_norm(h, opts.tokens, DTYPES[opts.dtype])
+    elif opts.kernel == "swiglu-fp8":
+        rows += bench_swiglu_fp8(int(flags["ffn-hidden-size"]), opts.tokens)
     else:
         heads = int(flags["num-attention-heads"])
         rows += bench_qkv_rope(heads, int(flags.get("num-query-groups", heads)),

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 
 from . import kernel_path
 
-# Transformer Engine's FP8 formats by name (its DType enum), as torch dtypes, with their largest finite values.
-FP8_FORMATS = {"kFloat8E4M3": (torch.float8_e4m3fn, 448.0), "kFloat8E5M2": (torch.float8_e5m2, 57344.0)}
+# Transformer Engine's FP8 formats by name (its DType enum), as torch dtypes.
+FP8_FORMATS = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
 
 
-def fp8_format(te_dtype) -> tuple[torch.dtype, float]:
-    """The torch dtype and largest finite value of one of Transformer Engine's FP8 formats."""
+def fp8_format(te_dtype) -> torch.dtype:
+    """The torch dtype of one of Transformer Engine's FP8 formats."""
     name = getattr(te_dtype, "name", str(te_dtype)).rsplit(".", 1)[-1]
     if name not in FP8_FORMATS:
         raise ValueError(f"FP8 SwiGLU: no FP8 format {name}; Transformer Engine's {sorted(FP8_FORMATS)} only")
@@ -121,7 +121,7 @@ def _is_quantized(t: torch.Tensor) -> bool:
 class _SwiGLUToFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, forward_quantizer, backward_quantizer):
-        dtype, _ = fp8_format(forward_quantizer.dtype)
+        dtype = fp8_format(forward_quantizer.dtype)
         fn = swiglu_fp8_triton if swiglu_fp8_path(gate_up.device.type) == "litespark" else swiglu_fp8_reference
         row, col, scale_inv = fn(gate_up, forward_quantizer.scale, forward_quantizer.amax, dtype)
         ctx.save_for_backward(gate_up)
@@ -134,7 +134,7 @@ class _SwiGLUToFP8(torch.autograd.Function):
         quantizer = ctx.backward_quantizer
         if _is_quantized(dy):  # fc2's input gradient is bf16 unless TE was asked to quantize it
             dy = dy.dequantize(dtype=gate_up.dtype)
-        dtype, _ = fp8_format(quantizer.dtype)
+        dtype = fp8_format(quantizer.dtype)
         fn = dswiglu_fp8_triton if swiglu_fp8_path(gate_up.device.type) == "litespark" else dswiglu_fp8_reference
         row, col, scale_inv = fn(dy, gate_up, quantizer.scale, quantizer.amax, dtype)
         return _float8_tensor(row, col, scale_inv, quantizer, gate_up.dtype), None, None
