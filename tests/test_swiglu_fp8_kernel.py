@@ -43,6 +43,12 @@ for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                     if scale == 1e30:  # every value saturates to the largest finite one (or is zero), none is NaN
                         top = torch.finfo(dtype).max
                         result["saturated"] &= set(got[0].float().abs().unique().tolist()) <= {0.0, top}
+    # a NaN in the input stays NaN in both layouts (the reference's, torch's conversion) and nowhere else
+    x = torch.randn(5, 2 * 7)
+    x[2, 3] = float("nan")
+    row, col, _ = sf.swiglu_fp8_triton(x, torch.tensor([1.0]), torch.zeros(1), dtype)
+    result["nan_kept"] = result.get("nan_kept", True) and row.float().isnan().nonzero().tolist() == [[2, 3]] and \
+        col.float().isnan().nonzero().tolist() == [[3, 2]]
 print(json.dumps(result))
 """
 
@@ -57,9 +63,10 @@ def test_triton_kernels_write_the_references_bytes_in_both_layouts(interpreted):
     fp32 exponentials of the two may differ in their last bit, which moves a value across an FP8 rounding boundary
     about once in a million, one step); the column-major tensor is the row-major one transposed; amax the largest
     |value| (and the one already there); 1 / scale beside them; a scale past the format's range saturates instead of
-    making NaN."""
+    making NaN; a NaN stays NaN."""
     assert interpreted["mismatched"] <= interpreted["elements"] * 1e-4 and interpreted["max_step"] <= 1, interpreted
     assert interpreted["layouts_agree"] and interpreted["scale_inv_exact"] and interpreted["saturated"], interpreted
+    assert interpreted["nan_kept"], interpreted
     assert interpreted["amax_err"] <= 1e-6, interpreted
 
 
@@ -171,6 +178,12 @@ def test_compiled_kernels_equal_the_reference_on_the_gpu():
                 assert _bytes_agree(got[0], want[0]) and _bytes_agree(got[1], want[1]), (rows, f, dtype, fast)
                 assert torch.equal(got[1], got[0].t().contiguous())
                 assert abs(a1.item() - a2.item()) <= 1e-6 * a2.item() and torch.equal(got[2], want[2])
+    # a NaN stays NaN (compiled, the saturating clamp alone turned it into the largest finite value)
+    x = torch.randn(128, 2 * 96, device="cuda")
+    x[2, 3] = float("nan")
+    row, col, _ = sf.swiglu_fp8_triton(x, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"),
+                                       torch.float8_e4m3fn)
+    assert row.float().isnan().nonzero().tolist() == [[2, 3]] and col.float().isnan().nonzero().tolist() == [[3, 2]]
 
 
 FP8_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-batch-size", "8", "--micro-batch-size",

@@ -1,9 +1,9 @@
 """The Triton kernels of Litespark's FP8 SwiGLU (swiglu_fp8.py): each program takes a tile of [rows, f] channels,
-computes in fp32, scales, saturates and rounds to FP8 bytes, and stores the tile twice: row-major ([rows, f], the GEMM's
-input) and column-major ([f, rows], the weight-gradient GEMM's input), the tile transposed in on-chip memory, not
-by another kernel. Each program maxes its tile's |value| into the tensor's amax (what
-delayed scaling records); the first writes the reciprocal scale. Imported only where Triton runs (a CUDA device,
-or Triton's interpreter in the tests)."""
+computes in fp32, scales, saturates and rounds to FP8 bytes, and stores the tile twice: row-major ([rows, f], the
+GEMM's input) and column-major ([f, rows], the weight-gradient GEMM's input), the tile transposed in on-chip memory,
+not by another kernel. Each program maxes its tile's |value| into the tensor's amax (what delayed scaling records);
+the first writes the reciprocal scale. Imported only where Triton runs (a CUDA device, or Triton's interpreter in
+the tests)."""
 import triton
 import triton.language as tl
 
@@ -28,7 +28,8 @@ def _fp8_codes(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl
     Not Triton's `.to(tl.float8e4nv)`: compiled by Triton 3.6 for an H200 it wrote wrong bytes into a part of the
     tile (a quarter to a half of them, which part depending on the shapes), and its interpreter rounds without
     carrying into the exponent. Integer arithmetic is exact on both."""
-    v = tl.clamp(y * scale, -FP8_MAX, FP8_MAX)
+    scaled = y * scale
+    v = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
     bits = v.to(tl.uint32, bitcast=True)
     magnitude = bits & 0x7FFFFFFF
     shift: tl.constexpr = 23 - MANTISSA
@@ -41,7 +42,7 @@ def _fp8_codes(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl
     steps = tl.abs(v) * (2.0 ** (BIAS - 1 + MANTISSA))
     subnormal = ((steps + 12582912.0) - 12582912.0).to(tl.uint32)
     code = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
-    code = tl.where(magnitude > 0x7F800000, 0x7F, code)  # NaN stays NaN
+    code = tl.where(scaled != scaled, 0x7F, code)  # NaN stays NaN (compiled, the clamp would saturate it)
     return code | ((bits >> 24) & 0x80)
 
 
