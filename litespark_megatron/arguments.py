@@ -855,9 +855,7 @@ def _check_litespark_rope(args, plat) -> None:
         (head & (head - 1) != 0, f"with a head size of {head}: the kernel takes a power of two; drop the flag"),
         (args.context_parallel_size > 1, "with --context-parallel-size > 1: not tested together yet; drop one"),
     )
-    for refused, reason in refusals:
-        if refused:
-            raise ConfigError(f"--litespark-rope {reason}")
+    _refuse_first("--litespark-rope", refusals)
     _check_triton("--litespark-rope", plat)
 
 
@@ -879,10 +877,15 @@ def _check_litespark_swiglu(args, plat) -> None:
                      "Engine keeps its own copy of the FP8 scaling state for the recompute; drop one"),
         (args.tp_comm_overlap, "with --tp-comm-overlap: not tested together yet; drop one"),
     )
+    _refuse_first("--litespark-swiglu", refusals)
+    _check_triton("--litespark-swiglu", plat)
+
+
+def _refuse_first(flag: str, refusals) -> None:
+    """The first (refused, reason) pair that holds, as the flag's one line."""
     for refused, reason in refusals:
         if refused:
-            raise ConfigError(f"--litespark-swiglu {reason}")
-    _check_triton("--litespark-swiglu", plat)
+            raise ConfigError(f"{flag} {reason}")
 
 
 def _check_triton(flag: str, plat) -> None:
