@@ -162,9 +162,7 @@ def _bytes_agree(got, want):
 def test_compiled_kernels_equal_the_reference_on_the_gpu():
     """llama-3b's MLP on one micro-batch row block (4,096 rows, FFN 8,192) and a TP share of odd size, bf16 in, both
     formats: the reference's bytes (torch's conversion: the GPU's, round to nearest even, saturated) in both layouts,
-    its amax and 1 / scale."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("Triton's FP8 conversions need compute capability 8.9 or more")
+    its amax and 1 / scale. (The kernels convert by integer arithmetic: any CUDA GPU runs them.)"""
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows, f in ((4096, 8192), (1000, 1365)):
         x = (torch.randn(rows, 2 * f, device="cuda", generator=g) * 2).to(torch.bfloat16)
