@@ -118,7 +118,14 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="under FP8 (delayed scaling, te backend) the Litespark MLP's SwiGLU runs Litespark's kernels "
                         "(kernels/swiglu_fp8.py): it writes fc2's FP8 input, and in the backward fc1's FP8 output "
                         "gradient, row- and column-major in one pass, instead of a bf16 tensor that Transformer "
-                        "Engine casts again (layers kept in BF16 run TE's SwiGLU). Off unless given")
+                        "Engine casts again (layers kept in BF16 run TE's SwiGLU)." + auto + " (under FP8 with "
+                        "delayed scaling only)")
+    g.add_argument("--litespark-fp8-output-layer", action=argparse.BooleanOptionalAction, default=None,
+                   help="the output layer's GEMM and both of its backward GEMMs in FP8 (current scaling), the loss's "
+                        "gradient written in FP8 straight from the logits (kernels/fp8_logits.py; Triton and FP8 "
+                        "GEMMs on a GPU of compute capability 8.9 or more, its plain-torch reference elsewhere); "
+                        "megatron-core keeps the output layer in BF16 under every FP8 recipe. It computes the loss "
+                        "itself. Off unless given: FP8 logits change the model's numerics")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -421,6 +428,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_litespark_rope(args, plat)
     if args.litespark_swiglu:
         _check_litespark_swiglu(args, plat)
+    if args.litespark_fp8_output_layer:
+        _check_litespark_fp8_output_layer(args, plat, tp, cp)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     from .peft import check as check_peft
@@ -881,6 +890,36 @@ def _check_litespark_swiglu(args, plat) -> None:
     _check_triton("--litespark-swiglu", plat)
 
 
+def _check_litespark_fp8_output_layer(args, plat, tp: int, cp: int) -> None:
+    """Where nothing else computes the logits or the loss, and (on a GPU) the FP8 GEMMs take the shapes."""
+    refusals = (
+        (args.cross_entropy_loss_fusion, "with --cross-entropy-loss-fusion: it computes the loss itself; drop one"),
+        (args.chunked_output_loss is not None, "with --chunked-output-loss: it keeps one micro-batch's bf16 logits "
+                                               "and frees them in the backward; drop one"),
+        (args.mtp_num_layers, "with --mtp-num-layers: multi-token prediction computes its own logits; drop one"),
+        (getattr(args, "use_mup", False), "with --use-mup: MuP scales the logits before the loss; drop one"),
+        (args.defer_embedding_wgrad_compute, "with --defer-embedding-wgrad-compute: it computes the weight's "
+                                             "gradient in its own backward; drop one"),
+    )
+    _refuse_first("--litespark-fp8-output-layer", refusals)
+    _check_triton("--litespark-fp8-output-layer", plat)
+    if plat.device_type == "cuda" and not plat.fp8_capable:
+        raise ConfigError(f"--litespark-fp8-output-layer runs FP8 GEMMs, which need compute capability 8.9 or more "
+                          f"(Ada, Hopper, Blackwell); this GPU ({plat.device_name}) has none: drop the flag")
+    if plat.device_type == "cuda":
+        tokens = args.seq_length // cp * args.micro_batch_size
+        # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP unless given its size
+        vocab = (("vocabulary per TP rank (--padded-vocab-size / TP)", args.padded_vocab_size // tp)
+                 if args.padded_vocab_size is not None else
+                 ("--make-vocab-size-divisible-by (the vocabulary per TP rank is a multiple of it)",
+                  args.make_vocab_size_divisible_by))
+        short = [f"{what} {n}" for what, n in (("tokens per micro-batch (--seq-length / CP x --micro-batch-size)",
+                                                tokens), ("--hidden-size", args.hidden_size), vocab) if n % 16]
+        if short:
+            raise ConfigError(f"--litespark-fp8-output-layer runs FP8 GEMMs, which take multiples of 16: "
+                              f"{', '.join(short)}; drop the flag or change the shape")
+
+
 def _refuse_first(flag: str, refusals) -> None:
     """The first (refused, reason) pair that holds, as the flag's one line."""
     for refused, reason in refusals:
@@ -907,6 +946,7 @@ KERNELS_AUTO = (  # (the flag's dest, the check that refuses it where the kernel
     ("litespark_cross_entropy", _check_litespark_cross_entropy),
     ("litespark_rmsnorm", _check_litespark_rmsnorm),
     ("litespark_rope", _check_litespark_rope),
+    ("litespark_swiglu", _check_litespark_swiglu),  # FP8 with delayed scaling only: refused elsewhere, so off
 )
 
 

@@ -88,6 +88,7 @@ def mask_padded_vocab(chunks, vocab: int):
         layer = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None
         if layer is not None and vocab is not None and chunk.vocab_size > vocab:
             layer.register_forward_hook(functools.partial(_mask_logits, vocab=vocab, padded=chunk.vocab_size))
+            layer.unpadded_vocab = vocab  # for the FP8 output layer, which runs the weight without the module
     return chunks
 
 

@@ -13,7 +13,8 @@ memory (docs/benchmarks/2026-11-25-qkv-fix-chunked-loss-mb2-h200.md). A way to f
 It is megatron-core's `output_processor` hook of GPTModel.forward (called on the last pipeline stage): the output
 layer, its weight (tied or not), gradient-accumulation fusion, TP and SP are megatron-core's, unchanged. The same
 hook runs the loss through Litespark's cross-entropy kernel (--litespark-cross-entropy, kernels/cross_entropy.py),
-in chunks or not.
+in chunks or not, and the output layer and its loss in FP8 (--litespark-fp8-output-layer, kernels/fp8_logits.py:
+megatron-core's input mapping and weight, Litespark's GEMMs).
 """
 from __future__ import annotations
 
@@ -34,9 +35,38 @@ def litespark_loss(tp_group):
     return loss
 
 
-def chunked_output_loss(chunks: Optional[int], litespark_cross_entropy: bool = False):
+def fp8_output_loss(output_layer, hidden_states, weight, labels):
+    """The per-token loss [b, s] of hidden states [s, b, H] through Litespark's FP8 output layer
+    (kernels/fp8_logits.py): megatron-core's column-parallel input mapping (copied to the TP ranks, or all-gathered
+    under sequence parallelism; its backward reduces the gradient), then the FP8 GEMMs and the loss on this rank's
+    vocabulary shard, its weight gradient where megatron-core's linear would put it."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    from .kernels.fp8_logits import fp8_logits_loss
+
+    weight = output_layer.weight if weight is None else weight
+    group = output_layer.tp_group
+    tp = group.size() if group is not None else 1
+    h = hidden_states
+    if output_layer.sequence_parallel:
+        h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group)
+    elif tp > 1:
+        h = copy_to_tensor_model_parallel_region(h, group=group)
+    s, b, hidden = h.shape
+    vocab = getattr(output_layer, "unpadded_vocab", None)  # model.mask_padded_vocab's
+    first = (group.rank() if tp > 1 else 0) * weight.size(0)
+    padded_from = None if vocab is None or vocab - first >= weight.size(0) else max(vocab - first, 0)
+    loss = fp8_logits_loss(h.reshape(s * b, hidden), weight, labels.t().reshape(-1), group if tp > 1 else None,
+                           padded_from, main_grad_fusion=bool(output_layer.gradient_accumulation_fusion))
+    return loss.view(s, b).t().contiguous()
+
+
+def chunked_output_loss(chunks: Optional[int], litespark_cross_entropy: bool = False,
+                        fp8_output_layer: bool = False):
     """megatron-core's output_processor computing the per-token loss [b, s] in `chunks` chunks of the sequence (None:
-    at once), with megatron-core's loss or Litespark's cross-entropy."""
+    at once), with megatron-core's loss or Litespark's cross-entropy; or, fp8_output_layer, the whole micro-batch
+    through Litespark's FP8 output layer and its loss."""
 
     def processor(*, hidden_states, output_layer, output_weight, labels, runtime_gather_output,
                   compute_language_model_loss, scale_logits, **unused):
@@ -46,6 +76,8 @@ def chunked_output_loss(chunks: Optional[int], litespark_cross_entropy: bool = F
 
         if labels is None:  # generation: the logits, as megatron-core returns them ([b, s, V])
             return logits_of(hidden_states).transpose(0, 1).contiguous()
+        if fp8_output_layer:
+            return fp8_output_loss(output_layer, hidden_states, output_weight, labels)
         if litespark_cross_entropy:
             compute_language_model_loss = litespark_loss(output_layer.tp_group)
         if chunks is None:

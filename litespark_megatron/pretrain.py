@@ -137,16 +137,18 @@ def forward_step(data_iterator, model):
 
 
 def _output_processor() -> dict:
-    """GPTModel.forward's output_processor for --chunked-output-loss and --litespark-cross-entropy; none otherwise
-    (megatron-core's own path)."""
+    """GPTModel.forward's output_processor for --chunked-output-loss, --litespark-cross-entropy and
+    --litespark-fp8-output-layer; none otherwise (megatron-core's own path)."""
     from megatron.training import get_args
 
     args = get_args()
-    if args.chunked_output_loss is None and not args.litespark_cross_entropy:
+    fp8_output_layer = bool(getattr(args, "litespark_fp8_output_layer", False))
+    if args.chunked_output_loss is None and not args.litespark_cross_entropy and not fp8_output_layer:
         return {}
     from .output_loss import chunked_output_loss
 
-    return {"output_processor": chunked_output_loss(args.chunked_output_loss, args.litespark_cross_entropy)}
+    return {"output_processor": chunked_output_loss(args.chunked_output_loss, args.litespark_cross_entropy,
+                                                    fp8_output_layer)}
 
 
 def _probed_forward(run, model):
@@ -174,8 +176,14 @@ def _probed_forward(run, model):
         from .kernels.qkv_rope import qkv_rope_path
 
         rope = qkv_rope_path(device_type)
+    output_layer = None
+    if getattr(args, "litespark_fp8_output_layer", False):
+        from .kernels.fp8_logits import fp8_logits_path
+
+        output_layer = fp8_logits_path(device_type)
     report = probe.report(config=get_model_config(model), requested=backend_probe.requested_fusions(args),
-                          device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm, rope=rope)
+                          device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm, rope=rope,
+                          output_layer=output_layer)
     telemetry.record_health(report)
     return output
 

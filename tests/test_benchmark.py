@@ -383,6 +383,11 @@ def test_gpu_report_mfu_energy_ratios_and_rendering(monkeypatch, tmp_path):
     assert ("- best stock row (fastest stock Megatron-Core row of each precision that did not fall back; 'vs best "
             "stock' divides by it): bf16: none (every stock row fell back: no fair ratio)") in md
     assert "| hf-eager | bf16 | torch SDPA cuDNN | n/a |" in md
+    # paths only some systems have follow the three columns' cell, by name
+    assert benchmark._health_cells(dict(attention=["x"], degraded=[], fusions=dict(
+        cross_entropy="litespark", rope="litespark", wgrad_accumulation="on", swiglu="litespark-fp8",
+        output_layer="litespark-fp8")))[1] == \
+        "litespark / litespark / on; SwiGLU litespark-fp8; output layer litespark-fp8"
     json.dumps(report)  # benchmark.json must serialize
 
 

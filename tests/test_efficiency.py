@@ -150,12 +150,12 @@ def test_every_variant_holds_the_litespark_kernels_off_unless_the_flags_name_the
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     own = ["--out", "unused", "--model", "tiny"] + [a.format(base=tmp_path) for a in axis]
-    off = ["--no-litespark-cross-entropy", "--no-litespark-rmsnorm", "--no-litespark-rope"]
+    off = ["--no-litespark-cross-entropy", "--no-litespark-rmsnorm", "--no-litespark-rope", "--no-litespark-swiglu"]
     flags = efficiency.parse_settings(own).base_flags()
     assert all(flag in flags for flag in off)
     flags = efficiency.parse_settings(own + ["--", "--litespark-rope", "--no-litespark-rmsnorm"]).base_flags()
     assert [f for f in flags if "litespark-" in f and f != "--litespark-spec"] == \
-        ["--no-litespark-cross-entropy", "--litespark-rope", "--no-litespark-rmsnorm"]
+        ["--no-litespark-cross-entropy", "--no-litespark-swiglu", "--litespark-rope", "--no-litespark-rmsnorm"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -16,6 +16,10 @@ from litespark_megatron.apps import kernel_bench
                                                         "it compares run on a GPU"),
     (["--kernel", "qkv-rope", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it "
                                                       "compares run on a GPU"),
+    (["--kernel", "fp8-logits"], "kernel_bench.py: error: --kernel fp8-logits takes its hidden size and vocabulary "
+                                 "from --model NAME (see --help)"),
+    (["--kernel", "fp8-logits", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels "
+                                                        "it compares run on a GPU"),
 ])
 def test_refusals_are_one_line_and_exit_2(argv, message, capsys):
     assert kernel_bench.main(argv) == 2
@@ -77,3 +81,19 @@ def test_the_fp8_swiglu_table_has_every_candidate_within_fp8s_rounding():
         assert "unavailable" not in r, r
         assert r["error_outputs"] <= 2 ** -4 and r["error_gradients"] <= 2 ** -3, r
         assert r["forward_kernel_ms"] > 0 and r["forward_backward_kernel_ms"] > r["forward_kernel_ms"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels it compares run on CUDA")
+def test_the_fp8_output_layer_table_has_both_candidates_within_their_rounding():
+    """A small output layer (2,048 tokens, hidden 512, vocabulary 4,096): the FP8 path and the BF16 one each
+    measured, the FP8 loss and gradients within FP8's rounding of fp64, the BF16 ones within bf16's."""
+    rows = kernel_bench.bench_fp8_logits(512, 4096, 2048)
+    assert [r["candidate"] for r in rows] == ["litespark fp8 (GEMMs and loss gradient in FP8)",
+                                              "bf16 GEMMs + litespark cross-entropy"]
+    if "unavailable" in rows[0]:
+        pytest.skip(rows[0]["unavailable"])
+    for r, (outputs, gradients) in zip(rows, ((2 ** -5, 2 ** -2), (2 ** -7, 2 ** -5))):
+        assert "unavailable" not in r, r
+        assert r["error_outputs"] <= outputs and r["error_gradients"] <= gradients, r
+        assert r["forward_backward_kernel_ms"] > r["forward_kernel_ms"] > 0, r

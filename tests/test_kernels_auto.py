@@ -1,6 +1,7 @@
 """The Litespark kernels' default: a kernel flag left out is on where the kernels were measured (a GPU with Triton,
---spec litespark on the te backend, BF16 or FP8, pretraining without CP; RMSNorm not under FP8) and off
-everywhere else; a flag given either way is obeyed (arguments.resolve_kernels_auto)."""
+--spec litespark on the te backend, BF16 or FP8, pretraining without CP; RMSNorm not under FP8, the FP8 SwiGLU
+under FP8 with delayed scaling only) and off everywhere else; a flag given either way is obeyed
+(arguments.resolve_kernels_auto)."""
 import pytest
 
 import litespark_megatron.kernels
@@ -8,7 +9,7 @@ from test_arguments import CPU, GPU_TE, TINY, check
 from litespark_megatron import arguments
 from litespark_megatron.arguments import ConfigError
 
-KERNELS = ("litespark_cross_entropy", "litespark_rmsnorm", "litespark_rope")
+KERNELS = ("litespark_cross_entropy", "litespark_rmsnorm", "litespark_rope", "litespark_swiglu")
 TE_BF16 = TINY + ["--spec", "litespark", "--transformer-impl", "transformer_engine", "--bf16"]
 FP8 = ["--fp8-format", "hybrid"]
 
@@ -24,13 +25,17 @@ def kernels(argv, plat=GPU_TE):
     return tuple(getattr(args, k) for k in KERNELS)
 
 
-def test_the_measured_setting_runs_all_three(triton):
-    assert kernels(TE_BF16) == (True, True, True)
+def test_the_measured_bf16_setting_runs_the_three_bf16_kernels(triton):
+    assert kernels(TE_BF16) == (True, True, True, False)
 
 
-def test_fp8_runs_the_loss_and_rope_and_keeps_tes_norm(triton):
-    """Under FP8 TE's norm writes the next GEMM's FP8 input: the Litespark norm (refused there) stays off."""
-    assert kernels(TE_BF16 + FP8) == (True, False, True)
+def test_fp8_runs_the_loss_rope_and_fp8_swiglu_and_keeps_tes_norm(triton):
+    """Under FP8 TE's norm writes the next GEMM's FP8 input: the Litespark norm (refused there) stays off; the FP8
+    SwiGLU runs under delayed scaling (Megatron-LM's default recipe) and nowhere else, nor beside the op fuser."""
+    assert kernels(TE_BF16 + FP8) == (True, False, True, True)
+    assert kernels(TE_BF16 + FP8 + ["--fp8-recipe", "tensorwise"]) == (True, False, True, False)
+    assert kernels(TE_BF16 + FP8 + ["--use-transformer-engine-op-fuser"]) == (True, False, True, False)
+    assert kernels(TE_BF16 + FP8 + ["--no-litespark-swiglu"]) == (True, False, True, False)
 
 
 @pytest.mark.parametrize("flags, plat", [
@@ -49,19 +54,20 @@ def test_outside_the_measured_setting_all_are_off(triton, flags, plat):
     if "--context-parallel-size" in flags:
         args.world_size = 2
     arguments.resolve_kernels_auto(args, plat)
-    assert tuple(getattr(args, k) for k in KERNELS) == (False, False, False)
+    assert tuple(getattr(args, k) for k in KERNELS) == (False, False, False, False)
 
 
 def test_a_gpu_without_triton_runs_none_and_refuses_nothing(monkeypatch):
     monkeypatch.setattr(litespark_megatron.kernels, "triton_available", lambda: False)
-    assert kernels(TE_BF16) == (False, False, False)
+    assert kernels(TE_BF16) == (False, False, False, False)
+    assert kernels(TE_BF16 + FP8) == (False, False, False, False)
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--cross-entropy-loss-fusion"], (False, True, True)),  # megatron-core's fused loss asked for: it runs
-    (["--qk-layernorm"], (True, True, False)),  # norms between the split and RoPE: megatron-core's path
-    (["--no-litespark-rope"], (True, True, False)),
-    (["--no-litespark-cross-entropy", "--no-litespark-rmsnorm"], (False, False, True)),
+    (["--cross-entropy-loss-fusion"], (False, True, True, False)),  # megatron-core's fused loss asked for: it runs
+    (["--qk-layernorm"], (True, True, False, False)),  # norms between the split and RoPE: megatron-core's path
+    (["--no-litespark-rope"], (True, True, False, False)),
+    (["--no-litespark-cross-entropy", "--no-litespark-rmsnorm"], (False, False, True, False)),
 ], ids=["megatron-fused-loss", "qk-layernorm", "no-rope", "no-loss-no-norm"])
 def test_a_kernel_that_cannot_run_or_is_turned_off_is_off_alone(triton, flags, expected):
     assert kernels(TE_BF16 + flags) == expected
@@ -76,7 +82,7 @@ def test_a_kernel_asked_for_is_still_refused_where_it_cannot_run(triton):
 def test_a_config_file_says_off_with_false_and_on_with_true(triton, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("litespark-rope: false\nlitespark-rmsnorm: true\n")
-    assert kernels(TE_BF16 + ["--config", str(config)]) == (True, True, False)
+    assert kernels(TE_BF16 + ["--config", str(config)]) == (True, True, False, False)
     assert arguments.as_flags({"litespark-rope": False}, "x.yaml") == ["--no-litespark-rope"]
     assert arguments.as_flags({"litespark-rope": True}, "x.yaml") == ["--litespark-rope"]
 
@@ -91,5 +97,5 @@ def test_a_planned_gpu_node_has_triton_whatever_this_machine_has(monkeypatch):
 
     monkeypatch.setattr(litespark_megatron.kernels, "triton_available", lambda: False)
     assert platform_of(accelerator("H100")).triton is True
-    assert kernels(TE_BF16, replace(GPU_TE, triton=True)) == (True, True, True)
-    assert kernels(TE_BF16, GPU_TE) == (False, False, False)  # this machine's GPU, as it is
+    assert kernels(TE_BF16, replace(GPU_TE, triton=True)) == (True, True, True, False)
+    assert kernels(TE_BF16, GPU_TE) == (False, False, False, False)  # this machine's GPU, as it is

@@ -119,3 +119,46 @@ def test_trace_summary_cpu_operators_count_self_time(tmp_path):
     assert s["device"] == "cpu" and s["steps"] == 1
     by_name = {k["name"]: k["ms_per_step"] for k in s["top_kernels"]}
     assert by_name == pytest.approx({"aten::mm": 0.1, "aten::linear": 0.03, "aten::add": 0.01})
+
+
+def test_gpu_idle_is_the_step_not_covered_by_gpu_work_and_each_gap_is_charged_to_its_launcher(tmp_path):
+    """Idle = the step's wall time no GPU event covers (overlapping streams counted once); a gap longer than GAP_US
+    is charged to the innermost host operator around the launch (by correlation id) of the work that ends it, with
+    the kernel finished before it; shorter gaps count as idle but are not listed. The rendering lists them."""
+    import json
+
+    from litespark_megatron.apps.profile import render, summarize_trace
+
+    def kernel(name, ts, dur, corr, stream=7):
+        return {"ph": "X", "name": name, "cat": "kernel", "ts": ts, "dur": dur, "tid": stream,
+                "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 2, "pid": 1, "tid": 1,
+                "args": {"correlation": corr}}
+
+    def op(name, ts, dur):
+        return {"ph": "X", "name": name, "cat": "cpu_op", "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    events = [{"ph": "X", "name": "ProfilerStep#3", "cat": "user_annotation", "ts": 0, "dur": 1000, "pid": 1,
+               "tid": 1},
+              # GPU: busy 0-300 (two streams overlapping), a 5 us gap (launch latency), 305-400, a 200 us gap
+              # ended by work launched inside aten::mm inside aten::linear, 600-700, a 100 us gap ended by work
+              # launched inside aten::add, 800-900, then 100 us idle to the step's end.
+              kernel("gemm_a", 0, 200, 1), kernel("gemm_b", 100, 200, 2, stream=8), kernel("k_c", 305, 95, 3),
+              kernel("k_c2", 305, 95, 7, stream=8),  # the same range on another stream (a tie to sort)
+              kernel("k_d", 600, 100, 4), kernel("k_e", 800, 100, 5),
+              # outside the step: ignored
+              kernel("k_f", 1200, 50, 6),
+              launch(10, 1), launch(20, 2), launch(30, 3), op("aten::linear", 500, 60), op("aten::mm", 510, 40),
+              launch(520, 4), op("aten::add", 700, 20), launch(705, 5)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarize_trace(str(path))
+    idle = s["idle"]
+    assert idle["ms_per_step"] == pytest.approx((5 + 200 + 100 + 100) / 1e3)
+    assert [(g["host_op"], g["after_kernel"]) for g in idle["gaps"]] == [("aten::mm", "k_c"), ("aten::add", "k_d")]
+    assert [g["ms_per_step"] for g in idle["gaps"]] == pytest.approx([0.2, 0.1])
+    assert idle["gaps"][0]["count_per_step"] == 1
+    md = render(s, "gaps")
+    assert "GPU idle 0.4 ms/step" in md and "| `aten::mm` | `k_c` | 0.20 | 1 |" in md

@@ -184,6 +184,50 @@ def test_compiled_kernels_equal_the_reference_on_the_gpu():
     assert row.float().isnan().nonzero().tolist() == [[2, 3]] and col.float().isnan().nonzero().tolist() == [[3, 2]]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 runs on a GPU with FP8 tensor cores")
+def test_a_te_linear_handed_both_layouts_needs_only_the_column_major_one_after_its_forward():
+    """fc2 (a TE linear under delayed scaling) handed the kernel's Float8Tensor keeps the tensor object for its weight
+    gradient; drop_row_major then frees the row-major bytes (rows x f) and the backward computes the same weight
+    gradient, bit for bit. When this fails, TE saves its input another way: the MLP's drop must follow."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9 or more")
+    import transformer_engine_torch as tex
+    from transformer_engine.common.recipe import DelayedScaling, Format
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    rows, f, out_f = 4096, 1024, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(rows, 2 * f, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, out_f, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(out_f, f, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+
+    def run(drop: bool):
+        fc2 = te.Linear(f, out_f, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            fc2.weight.copy_(weight)
+        x = gate_up.clone()
+        backward_q = Float8Quantizer(torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"),
+                                     tex.DType.kFloat8E5M2)
+        with te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.HYBRID)):
+            fc2.init_fp8_metadata()
+            act = sf.swiglu_to_fp8(x, fc2.quantizers["scaling_fwd"][int(tex.FP8FwdTensors.GEMM1_INPUT)], backward_q)
+            out = fc2(act)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            if drop:
+                sf.drop_row_major(act)
+            freed = before - torch.cuda.memory_allocated()
+            del act
+        out.backward(dy)
+        return fc2.weight.grad, freed
+
+    kept, dropped = run(False), run(True)
+    assert kept[1] == 0 and dropped[1] == rows * f, (kept[1], dropped[1])
+    assert torch.equal(kept[0], dropped[0])
+
+
 FP8_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-batch-size", "8", "--micro-batch-size",
            "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6", "--log-interval", "1", "--eval-iters",
            "0", "--eval-interval", "100", "--seed", "7", "--save-interval", "100", "--bf16", "--fp8-format", "hybrid",
@@ -192,11 +236,11 @@ FP8_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-ba
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 runs on a GPU with FP8 tensor cores")
-def test_an_fp8_run_with_the_kernel_trains_as_the_default_says_so_and_resumes_bit_exactly(tmp_path):
-    """Six FP8 steps with --litespark-swiglu against the default SwiGLU: the same losses to FP8's rounding (the kernel
-    casts fp32 to FP8 where the default casts its bf16 result), the record names the kernel, and a run stopped at
-    step 3 and resumed equals the uninterrupted one bit for bit (the scaling state is fc1's and fc2's, in their
-    checkpoints)."""
+def test_an_fp8_run_with_the_kernel_trains_as_tes_swiglu_says_so_and_resumes_bit_exactly(tmp_path):
+    """Six FP8 steps with the kernel (an FP8 run's default on a GPU with Triton; the flag given too) against TE's
+    SwiGLU (--no-litespark-swiglu): the same losses to FP8's rounding (the kernel casts fp32 to FP8 where TE's path
+    casts its bf16 result), the record names the kernel, and a run stopped at step 3 and resumed equals the
+    uninterrupted one bit for bit (the scaling state is fc1's and fc2's, in their checkpoints)."""
     pytest.importorskip("transformer_engine.pytorch")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or more")
@@ -204,8 +248,8 @@ def test_an_fp8_run_with_the_kernel_trains_as_the_default_says_so_and_resumes_bi
     def env():
         return child_env(MASTER_PORT=free_port())
     default, straight, halves = tmp_path / "default", tmp_path / "straight", tmp_path / "halves"
-    ok(train(1, *FP8_RUN, "--save", default, env=env()))
-    ok(train(1, *FP8_RUN, "--litespark-swiglu", "--save", straight, env=env()))
+    ok(train(1, *FP8_RUN, "--no-litespark-swiglu", "--save", default, env=env()))
+    ok(train(1, *FP8_RUN, "--save", straight, env=env()))
     ok(train(1, *FP8_RUN, "--litespark-swiglu", "--save", halves, "--load", halves, "--exit-interval", "3", env=env()))
     ok(train(1, *FP8_RUN, "--litespark-swiglu", "--save", halves, "--load", halves, env=env()))
     base, fast, resumed = (losses(d / "metrics.jsonl") for d in (default, straight, halves))
@@ -214,6 +258,7 @@ def test_an_fp8_run_with_the_kernel_trains_as_the_default_says_so_and_resumes_bi
     assert all(abs(fast[s] - base[s]) <= 1e-2 * abs(base[s]) for s in range(1, 7)), (fast, base)
     health = [r for r in records(straight / "metrics.jsonl") if r["kind"] == "health"][0]
     assert health["fusions"]["swiglu"] == "litespark-fp8" and not health["degraded"], health
+    assert "swiglu" not in [r for r in records(default / "metrics.jsonl") if r["kind"] == "health"][0]["fusions"]
 
 
 @pytest.mark.gpu

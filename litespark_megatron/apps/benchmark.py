@@ -109,7 +109,8 @@ SYSTEMS: Dict[str, System] = {
                              "RoPE kernels (their default on a GPU)", needs_te=True),
     "litespark-fp8": System("megatron", _TE + _FP8,
                             "Litespark layers, Transformer Engine backend, FP8 hybrid with delayed scaling, "
-                            "Litespark's cross-entropy and RoPE kernels (their default under FP8)", needs_te=True),
+                            "Litespark's cross-entropy, RoPE and FP8 SwiGLU kernels (their default under FP8)",
+                            needs_te=True),
     "stock-te-bf16": System("megatron", ("--spec", "stock-te"), "Megatron-Core's own Transformer Engine layer",
                             needs_te=True),
     "stock-te-fp8": System("megatron", ("--spec", "stock-te") + _FP8,
@@ -885,8 +886,11 @@ def _health_cells(health: Optional[dict]) -> Tuple[str, str, str]:
         return "not recorded", "not recorded", ""
     attention = " + ".join(health["attention"]) or "none seen"
     f = health["fusions"]
-    fused = " / ".join(f.get(k, "n/a") for k in ("cross_entropy", "rope", "wgrad_accumulation")) if f else "n/a"
-    return attention, fused, " **DEGRADED**" if health["degraded"] else ""
+    columns = ("cross_entropy", "rope", "wgrad_accumulation")
+    fused = " / ".join(f.get(k, "n/a") for k in columns) if f else "n/a"
+    # the paths only some systems have (the MLP as TE ops, Litespark's norm, FP8 SwiGLU, FP8 output layer), by name
+    more = [f"{backend_probe.FUSION_NAMES.get(k, k)} {v}" for k, v in f.items() if k not in columns]
+    return attention, fused + "".join(f"; {m}" for m in more), " **DEGRADED**" if health["degraded"] else ""
 
 
 def render_profiles(report: dict) -> List[str]:
@@ -909,6 +913,9 @@ def render_profiles(report: dict) -> List[str]:
     lines.append("| **all kernels** | " + " | ".join(f"{r['profile']['kernel_ms_per_step']:.1f}"
                                                       for r in profiled) + " |")
     lines.append("| wall | " + " | ".join(f"{r['profile']['wall_ms_per_step']:.1f}" for r in profiled) + " |")
+    if any(r["profile"].get("idle") for r in profiled):
+        lines.append("| GPU idle (gaps: logs/) | " + " | ".join(
+            _fmt((r["profile"].get("idle") or {}).get("ms_per_step"), '.1f') for r in profiled) + " |")
     return lines
 
 

@@ -56,7 +56,7 @@ RESERVED_FLAGS = ("--save", "--load", "--metrics-file", "--tensorboard-dir", "--
                   "--peft-base", "--pretrained-checkpoint", "--save-interval")
 AXES = ("pretrain", "finetune", "inference")
 INFERENCE_PROG = "efficiency_suite --axis inference"
-KERNEL_FLAGS = ("litespark-cross-entropy", "litespark-rmsnorm", "litespark-rope")
+KERNEL_FLAGS = tuple(name.replace("_", "-") for name, _ in arguments.KERNELS_AUTO)  # held off unless named
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 # Subprocess output that means the GPU ran out of memory (torch's allocator, cuBLAS/cuDNN workspaces, raw CUDA).
 OOM_PATTERNS = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"

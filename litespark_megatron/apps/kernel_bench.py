@@ -3,6 +3,7 @@
     python tools/kernel_bench.py --kernel rms-norm --hidden 3072 --tokens 16384
     python tools/kernel_bench.py --kernel qkv-rope --model llama-3b --micro-batch-size 4 --json
     python tools/kernel_bench.py --kernel swiglu-fp8 --model llama-3b
+    python tools/kernel_bench.py --kernel fp8-logits --model llama-3b --tokens 8192
 
 Each candidate runs the same inputs forward, and forward+backward, two ways: under triton.testing.do_bench (the L2
 flushed between repeats, the median of its repeats: the time a caller waits, the host's launch work included, which
@@ -213,6 +214,47 @@ def bench_swiglu_fp8(ffn: int, tokens: int) -> List[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- FP8 output layer
+def _logits_litespark(target, h, w):
+    from litespark_megatron.kernels import fp8_logits as fl
+    if fl.fp8_logits_path("cuda") != "litespark":
+        raise Unavailable("Triton does not import here")
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise Unavailable("FP8 GEMMs need compute capability 8.9 or more")
+    return (lambda: (fl.fp8_logits_loss(h, w, target),)), (h, w)
+
+
+def _logits_bf16(target, h, w):
+    """The BF16 output layer (megatron-core's GEMMs, here torch's: the same cuBLAS) and Litespark's cross-entropy,
+    which writes the gradient over the logits: the Litespark default."""
+    from litespark_megatron.kernels.cross_entropy import cross_entropy, cross_entropy_path
+    if cross_entropy_path("cuda") != "litespark":
+        raise Unavailable("Triton does not import here")
+    return (lambda: (cross_entropy(h @ w.t(), target),)), (h, w)
+
+
+FP8_LOGITS = (("litespark fp8 (GEMMs and loss gradient in FP8)", _logits_litespark),
+              ("bf16 GEMMs + litespark cross-entropy", _logits_bf16))
+
+
+def bench_fp8_logits(hidden: int, vocab: int, tokens: int) -> List[dict]:
+    """Rows of the output-layer table: tokens [tokens, hidden] bf16 and the weight [vocab, hidden] to the per-token
+    loss, and back to both gradients (the loss's gradient 1 / tokens, a mean's). Errors against fp64; bytes are the
+    logits' (written once and read once each way at least, bf16)."""
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden ** -0.5).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    upstream = (torch.full((tokens,), 1.0 / tokens, device="cuda"),)
+    moved = (4 * tokens * vocab, 4 * tokens * vocab)
+    row = dict(kernel="fp8-logits", shape=f"{tokens} x {hidden} x {vocab}", dtype="bf16")
+
+    def reference(h64, w64):
+        return torch.nn.functional.cross_entropy(h64 @ w64.t(), target, reduction="none")
+    return [_measure(dict(row, candidate=name), build, (target,), (h, w), upstream, reference, moved)
+            for name, build in FP8_LOGITS]
+
+
 # ---------------------------------------------------------------------------------------------- the harness
 def _import_te():
     try:
@@ -285,13 +327,13 @@ def render(rows: Sequence[dict]) -> str:
 
 def build_parser() -> cli.OneLineParser:
     p = cli.OneLineParser(prog="kernel_bench.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8"], default="rms-norm")
+    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8", "fp8-logits"], default="rms-norm")
     p.add_argument("--model", choices=sorted(PRESETS), help="take the shape (hidden size, heads) from this preset")
     p.add_argument("--hidden", type=cli.positive_int, action="append",
                    help="rms-norm: hidden size (repeatable; default the --model's)")
     p.add_argument("--tokens", type=cli.positive_int, default=16384,
-                   help="rms-norm, swiglu-fp8: rows, micro-batch x sequence length (default 16384, llama-3b's "
-                        "micro-batch 4 x 4096)")
+                   help="rms-norm, swiglu-fp8, fp8-logits: rows, micro-batch x sequence length (default 16384, "
+                        "llama-3b's micro-batch 4 x 4096)")
     p.add_argument("--seq-length", type=cli.positive_int, default=4096, help="qkv-rope: sequence length")
     p.add_argument("--micro-batch-size", type=cli.positive_int, default=4, help="qkv-rope: micro-batch")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -310,8 +352,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hidden = list(opts.hidden or []) or ([int(flags["hidden-size"])] if flags else [])
     if opts.kernel == "rms-norm" and not hidden:
         return _refuse("give --hidden N or --model NAME")
-    if opts.kernel in ("qkv-rope", "swiglu-fp8") and not flags:
-        what = "heads, query groups and head size" if opts.kernel == "qkv-rope" else "FFN size"
+    if opts.kernel in ("qkv-rope", "swiglu-fp8", "fp8-logits") and not flags:
+        what = {"qkv-rope": "heads, query groups and head size", "swiglu-fp8": "FFN size",
+                "fp8-logits": "hidden size and vocabulary"}[opts.kernel]
         return _refuse(f"--kernel {opts.kernel} takes its {what} from --model NAME")
     if not torch.cuda.is_available():
         return _refuse("no CUDA device here; the kernels it compares run on a GPU", see_help=False)
@@ -321,6 +364,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows += bench_rms_norm(h, opts.tokens, DTYPES[opts.dtype])
     elif opts.kernel == "swiglu-fp8":
         rows += bench_swiglu_fp8(int(flags["ffn-hidden-size"]), opts.tokens)
+    elif opts.kernel == "fp8-logits":
+        rows += bench_fp8_logits(int(flags["hidden-size"]), int(flags["vocab-size"]), opts.tokens)
     else:
         heads = int(flags["num-attention-heads"])
         rows += bench_qkv_rope(heads, int(flags.get("num-query-groups", heads)),

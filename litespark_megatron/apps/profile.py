@@ -162,7 +162,80 @@ def summarize_trace(path: str, top: int = 25) -> dict:
             if name.startswith("aten::"):
                 kernels[name] = kernels.get(name, 0.0) + us
                 calls[name] = calls.get(name, 0) + 1
-    return summarize(kernels, calls, max(len(steps), 1), wall_us / 1e6, "cuda" if gpu else "cpu", top=top)
+    summary = summarize(kernels, calls, max(len(steps), 1), wall_us / 1e6, "cuda" if gpu else "cpu", top=top)
+    if gpu and steps:
+        summary["idle"] = gpu_idle(events, steps, gpu)
+    return summary
+
+
+# A gap in the GPU's work shorter than this is the launch latency between two queued kernels, not a wait.
+GAP_US = 10.0
+
+
+def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
+    """Where the GPU waited inside the profiled steps: per step, the wall time no kernel, memcpy or memset covered
+    (on any stream), and the gaps longer than GAP_US charged to the host's work that ended them: the innermost
+    CPU operator around the launch of the first GPU event after the gap (through the events' correlation ids),
+    with the kernel the GPU had finished before it. A synchronization shows as the operator after it; launch-bound
+    stretches as many small gaps charged to the operators that launch slowly."""
+    busy = sorted(gpu, key=lambda e: (e["ts"], e["dur"]))
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    idle_us, found = 0.0, []  # found: (gap us, the launch ending it or None, the kernel before it)
+    for step in steps:
+        start, end = step["ts"], step["ts"] + step["dur"]
+        covered_to, before = start, "(step start)"
+        for evt in busy:
+            b, e = evt["ts"], evt["ts"] + evt["dur"]
+            if e <= start or b >= end:
+                continue
+            if b > covered_to:
+                idle_us += b - covered_to
+                if b - covered_to > GAP_US:
+                    found.append((b - covered_to, launches.get(evt.get("args", {}).get("correlation")), before))
+            if e > covered_to:
+                covered_to, before = e, evt["name"]
+        idle_us += max(end - covered_to, 0.0)
+    host_ops = _innermost_ops([e for e in events if e.get("cat") in ("cpu_op", "user_annotation")
+                               and not str(e.get("name", "")).startswith("ProfilerStep#")],
+                              [launch for _, launch, _ in found if launch is not None])
+    gaps: Dict[tuple, list] = {}
+    for us, launch, before in found:
+        key = (host_ops.get(id(launch), "(no operator)") if launch is not None else "(no launch found)", before)
+        total = gaps.setdefault(key, [0.0, 0])
+        total[0] += us
+        total[1] += 1
+    n = len(steps)
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(ms_per_step=idle_us / 1e3 / n, gap_us=GAP_US,
+                gaps=[dict(host_op=op, after_kernel=prev, ms_per_step=us / 1e3 / n, count_per_step=count / n)
+                      for (op, prev), (us, count) in ranked])
+
+
+def _innermost_ops(ops, launches) -> Dict[int, str]:
+    """id(launch) -> the name of the innermost operator of its thread whose range holds it: one sweep per thread
+    over the operators by start time (a stack of the open ranges) and the launches by time."""
+    by_thread: Dict[object, tuple] = {}
+    for e in ops:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), ([], []))[0].append(e)
+    for launch in launches:
+        by_thread.setdefault((launch.get("pid"), launch.get("tid")), ([], []))[1].append(launch)
+    names: Dict[int, str] = {}
+    for thread_ops, thread_launches in by_thread.values():
+        thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack, i = [], 0
+        for launch in sorted(thread_launches, key=lambda e: e["ts"]):
+            t = launch["ts"]
+            while i < len(thread_ops) and thread_ops[i]["ts"] <= t:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < thread_ops[i]["ts"]:
+                    stack.pop()
+                stack.append(thread_ops[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < t:
+                stack.pop()
+            if stack:
+                names[id(launch)] = stack[-1]["name"]
+    return names
 
 
 def _cpu_self_times(ops):
@@ -203,7 +276,20 @@ def render(summary: dict, title: str) -> str:
         name = name if len(name) <= 110 else name[:107] + "..."
         lines.append(f"| `{name}` | {k['category']} | {k['ms_per_step']:.2f} | {k['calls_per_step']:g} | "
                      f"{k['share']:.1%} |")
+    idle = summary.get("idle")
+    if idle:
+        lines += ["", f"GPU idle {idle['ms_per_step']:.1f} ms/step; its gaps over {idle['gap_us']:g} us by the host "
+                      "operator that launched the work ending each gap:", "",
+                  "| host operator | kernel before the gap | ms/step | gaps/step |", "|---|---|---|---|"]
+        for g in idle["gaps"]:
+            lines.append(f"| `{_short(g['host_op'])}` | `{_short(g['after_kernel'])}` | {g['ms_per_step']:.2f} | "
+                         f"{g['count_per_step']:g} |")
     return "\n".join(lines) + "\n"
+
+
+def _short(name: str, width: int = 80) -> str:
+    name = name.replace("|", "\\|")
+    return name if len(name) <= width else name[:width - 3] + "..."
 
 
 def category_ms(summary: dict) -> Dict[str, float]:

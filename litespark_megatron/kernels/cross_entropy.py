@@ -96,30 +96,39 @@ def vocab_parallel_cross_entropy_reference(logits: torch.Tensor, target: torch.T
 
 
 # --------------------------------------------------------------------------------------------- the Triton path
+def row_statistics(x: torch.Tensor, target: torch.Tensor, vocab_start: int, tp_group=None,
+                   block: Optional[int] = None):
+    """(logsumexp over the whole vocabulary, the target's logit) per row of this shard's contiguous logits
+    [rows, V / TP], fp32: the Triton kernel's per-shard statistics combined over the TP group."""
+    from . import cross_entropy_triton as kernels
+
+    rows, columns = x.shape
+    row_max, row_sum, target_logit = (torch.empty(rows, device=x.device, dtype=torch.float32) for _ in range(3))
+    kernels.cross_entropy_row_statistics[(rows,)](x, target, row_max, row_sum, target_logit, vocab_start, columns,
+                                                  BLOCK=block or kernels.block_size(columns))
+    if _tp(tp_group)[1] > 1:
+        local_max = row_max.clone()
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        # Each shard's sum rescaled to the global max; a shard of -inf logits only has sum 0 (exp(-inf) = 0).
+        sums = torch.stack([row_sum * torch.exp(local_max - row_max), target_logit])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        row_sum, target_logit = sums
+    return torch.log(row_sum) + row_max, target_logit
+
+
 class _TritonCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, block):
         from . import cross_entropy_triton as kernels
 
-        rank, size = _tp(tp_group)
+        rank = _tp(tp_group)[0]
         # The kernels read rows of `columns` contiguous values. Not a view: the saved tensor is the logits
         # themselves (or their copy), whose version autograd checks when the backward unpacks it.
         x = logits.contiguous()
         t = target.reshape(-1).to(torch.int64).contiguous()
         columns = x.size(-1)
-        rows = x.numel() // columns
         block = block or kernels.block_size(columns)
-        row_max, row_sum, target_logit = (torch.empty(rows, device=x.device, dtype=torch.float32) for _ in range(3))
-        kernels.cross_entropy_row_statistics[(rows,)](x, t, row_max, row_sum, target_logit, rank * columns, columns,
-                                         BLOCK=block)
-        if size > 1:
-            local_max = row_max.clone()
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-            # Each shard's sum rescaled to the global max; a shard of -inf logits only has sum 0 (exp(-inf) = 0).
-            sums = torch.stack([row_sum * torch.exp(local_max - row_max), target_logit])
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-            row_sum, target_logit = sums
-        lse = torch.log(row_sum) + row_max
+        lse, target_logit = row_statistics(x.view(-1, columns), t, rank * columns, tp_group, block)
         ctx.save_for_backward(x, t, lse)
         ctx.vocab_start, ctx.block = rank * columns, block
         return (lse - target_logit).view(target.shape)

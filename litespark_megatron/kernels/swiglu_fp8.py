@@ -67,35 +67,40 @@ def dswiglu_fp8_reference(dy: torch.Tensor, gate_up: torch.Tensor, scale: torch.
     return _quantized(dswiglu_reference(dy, gate_up).float(), scale, amax, dtype)
 
 
-def _launch(kernel, inputs, rows: int, channels: int, width: int, scale, amax, dtype):
-    """Run one of the kernels on [rows, 2 * channels] inputs; its FP8 outputs are [rows, width] and [width, rows]."""
+def _launch(kernel, tile, inputs, rows: int, channels: int, width: int, scale, amax, dtype):
+    """Run one of the kernels on [rows, 2 * channels] inputs in tiles of (rows, channels, warps); its FP8 outputs
+    are [rows, width] and [width, rows]."""
     from . import swiglu_fp8_triton as kernels
+    from .fp8_bytes_triton import FORMATS
 
     like = inputs[-1]
     row = torch.empty(rows, width, device=like.device, dtype=torch.uint8)
     col = torch.empty(width, rows, device=like.device, dtype=torch.uint8)
     scale_inv = torch.empty(1, device=like.device, dtype=torch.float32)
-    mantissa, bias = kernels.FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
-    kernel[kernels.grid(rows, channels)](
+    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
+    kernel[kernels.grid(rows, channels, tile)](
         *(t.contiguous() for t in inputs), row, col, scale, amax, scale_inv, rows, channels, torch.finfo(dtype).max,
-        mantissa, bias, BLOCK_ROWS=kernels.BLOCK_ROWS, BLOCK_CHANNELS=kernels.BLOCK_CHANNELS)
+        mantissa, bias, BLOCK_ROWS=tile[0], BLOCK_CHANNELS=tile[1], num_warps=tile[2])
     return row.view(dtype), col.view(dtype), scale_inv
 
 
-def swiglu_fp8_triton(gate_up, scale, amax, dtype):
-    """swiglu_fp8_reference's function through the Triton kernel."""
+def swiglu_fp8_triton(gate_up, scale, amax, dtype, tile=None):
+    """swiglu_fp8_reference's function through the Triton kernel (tile: (rows, channels, warps), the tuned one by
+    default)."""
     from . import swiglu_fp8_triton as kernels
 
     rows, channels = gate_up.size(0), gate_up.size(1) // 2
-    return _launch(kernels.swiglu_fp8_forward, (gate_up,), rows, channels, channels, scale, amax, dtype)
+    return _launch(kernels.swiglu_fp8_forward, tile or kernels.FORWARD_TILE, (gate_up,), rows, channels, channels,
+                   scale, amax, dtype)
 
 
-def dswiglu_fp8_triton(dy, gate_up, scale, amax, dtype):
+def dswiglu_fp8_triton(dy, gate_up, scale, amax, dtype, tile=None):
     """dswiglu_fp8_reference's function through the Triton kernel."""
     from . import swiglu_fp8_triton as kernels
 
     rows, channels = gate_up.size(0), gate_up.size(1) // 2
-    return _launch(kernels.swiglu_fp8_backward, (dy, gate_up), rows, channels, 2 * channels, scale, amax, dtype)
+    return _launch(kernels.swiglu_fp8_backward, tile or kernels.BACKWARD_TILE, (dy, gate_up), rows, channels,
+                   2 * channels, scale, amax, dtype)
 
 
 swiglu_fp8_path = kernel_path  # what the MLP's FP8 SwiGLU runs on a device of this type
@@ -138,6 +143,13 @@ class _SwiGLUToFP8(torch.autograd.Function):
         fn = dswiglu_fp8_triton if swiglu_fp8_path(gate_up.device.type) == "litespark" else dswiglu_fp8_reference
         row, col, scale_inv = fn(dy, gate_up, quantizer.scale, quantizer.amax, dtype)
         return _float8_tensor(row, col, scale_inv, quantizer, gate_up.dtype), None, None
+
+
+def drop_row_major(t) -> None:
+    """Free the row-major data of a Float8Tensor once its GEMM ran: what a TE linear saves of its input for the weight
+    gradient is the tensor object itself, whose column-major data is all that gradient reads (on Hopper; where TE
+    reads one layout both ways it keeps that one)."""
+    t.update_usage(rowwise_usage=False)
 
 
 def swiglu_to_fp8(gate_up: torch.Tensor, forward_quantizer, backward_quantizer) -> torch.Tensor:

@@ -1,61 +1,23 @@
 """The Triton kernels of Litespark's FP8 SwiGLU (swiglu_fp8.py): each program takes a tile of [rows, f] channels,
-computes in fp32, scales, saturates and rounds to FP8 bytes, and stores the tile twice: row-major ([rows, f], the
-GEMM's input) and column-major ([f, rows], the weight-gradient GEMM's input), the tile transposed in on-chip memory,
-not by another kernel. Each program maxes its tile's |value| into the tensor's amax (what delayed scaling records);
+computes in fp32, and stores the tile's FP8 bytes twice (fp8_bytes_triton.py): row-major ([rows, f], the GEMM's
+input) and column-major ([f, rows], the weight-gradient GEMM's input), the tile transposed in on-chip memory, not by
+another kernel. Each program maxes its tile's |value| into the tensor's amax (what delayed scaling records);
 the first writes the reciprocal scale. Imported only where Triton runs (a CUDA device, or Triton's interpreter in
 the tests)."""
 import triton
 import triton.language as tl
 
-# Tiles of 64 rows x 64 channels: the row-major store is 64 bytes per row of the tile and the column-major one 64
-# bytes per channel, whole 32-byte sectors either way.
-BLOCK_ROWS = 64
-BLOCK_CHANNELS = 64
+from .fp8_bytes_triton import _store_both
 
-# The FP8 formats as (mantissa bits, exponent bias): e4m3 (the forward's) and e5m2 (the backward's, TE's hybrid).
-FORMATS = {"e4m3": (3, 7), "e5m2": (2, 15)}
-
-
-def grid(rows: int, channels: int):
-    return (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(channels, BLOCK_CHANNELS))
+# (rows, channels, warps) of a program's tile, the fastest of a sweep on an H200 (llama-3b's and llama3-8b's MLP at
+# 16,384 rows; docs/benchmarks/2026-11-27-swiglu-default-fp8-output-layer-h200.md): the column-major store is
+# then 32 bytes per channel, one whole sector, and the row-major one 128 or 256 bytes per row.
+FORWARD_TILE = (32, 256, 8)
+BACKWARD_TILE = (32, 128, 8)
 
 
-@triton.jit
-def _fp8_codes(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """The FP8 byte of y * scale, saturated to the format's largest finite value, rounded to nearest even (what
-    Transformer Engine's cast writes), as integer arithmetic on the fp32 bits; uint32 codes 0-255.
-
-    Not Triton's `.to(tl.float8e4nv)`: compiled by Triton 3.6 for an H200 it wrote wrong bytes into a part of the
-    tile (a quarter to a half of them, which part depending on the shapes), and its interpreter rounds without
-    carrying into the exponent. Integer arithmetic is exact on both."""
-    scaled = y * scale
-    v = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
-    bits = v.to(tl.uint32, bitcast=True)
-    magnitude = bits & 0x7FFFFFFF
-    shift: tl.constexpr = 23 - MANTISSA
-    # A normal FP8 number: the fp32 mantissa rounded to MANTISSA bits (half an FP8 step minus one, plus the kept
-    # last bit: ties to even; a carry moves into the exponent), then the exponent rebiased.
-    normal = ((magnitude + ((1 << (shift - 1)) - 1) + ((magnitude >> shift) & 1)) >> shift) - \
-        ((127 - BIAS) << MANTISSA)
-    # Below the smallest normal one, 2^(1 - BIAS): a count of the smallest subnormal, 2^(1 - BIAS - MANTISSA),
-    # rounded to nearest even by the fp32 addition of 1.5 * 2^23.
-    steps = tl.abs(v) * (2.0 ** (BIAS - 1 + MANTISSA))
-    subnormal = ((steps + 12582912.0) - 12582912.0).to(tl.uint32)
-    code = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
-    code = tl.where(scaled != scaled, 0x7F, code)  # NaN stays NaN (compiled, the clamp would saturate it)
-    return code | ((bits >> 24) & 0x80)
-
-
-@triton.jit
-def _store_both(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, row_ptr, col_ptr, r, c,
-                rows, channels, row_width, col_offset):
-    """y [BLOCK_ROWS, BLOCK_CHANNELS] fp32 at rows r, channels c (+ col_offset) of the [rows, row_width] row-major FP8
-    tensor and of its [row_width, rows] transpose (uint8 pointers), the codes transposed as 32-bit integers."""
-    code = _fp8_codes(y, scale, FP8_MAX, MANTISSA, BIAS)
-    in_tile = (r < rows)[:, None] & (c < channels)[None, :]
-    tl.store(row_ptr + r[:, None] * row_width + (col_offset + c)[None, :], code.to(tl.uint8), mask=in_tile)
-    in_tile_t = (c < channels)[:, None] & (r < rows)[None, :]
-    tl.store(col_ptr + (col_offset + c)[:, None] * rows + r[None, :], tl.trans(code).to(tl.uint8), mask=in_tile_t)
+def grid(rows: int, channels: int, tile):
+    return (triton.cdiv(rows, tile[0]), triton.cdiv(channels, tile[1]))
 
 
 @triton.jit

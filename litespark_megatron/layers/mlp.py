@@ -5,9 +5,10 @@ The gate and up projections are one GEMM (megatron-core's `linear_fc1` with the 
 On the te backend fc1 also carries the pre-MLP RMSNorm (TE's LayerNormLinear), so norm + fc1 is one module.
 Parameters and their layout are megatron-core's, so checkpoints are interchangeable with the stock specs.
 
-With --litespark-swiglu, under FP8 (TE's delayed scaling) the SwiGLU is Litespark's (kernels/swiglu_fp8.py): it
-writes fc2's FP8 input, and in the backward fc1's FP8 output gradient, in both layouts in one pass, so neither GEMM
-casts a bf16 tensor again. The MLP then runs on [tokens, hidden] rows (a view): TE keeps a gradient's column-major
+With --litespark-swiglu (the FP8 default on a GPU), under FP8 (TE's delayed scaling) the SwiGLU is Litespark's
+(kernels/swiglu_fp8.py): it writes fc2's FP8 input, and in the backward fc1's FP8 output gradient, in both layouts
+in one pass, so neither GEMM casts a bf16 tensor again; after fc2's forward only the column-major copy its weight
+gradient reads is kept. The MLP then runs on [tokens, hidden] rows (a view): TE keeps a gradient's column-major
 layout only where its shape stays the same.
 
 With --use-transformer-engine-op-fuser (te backend) the same modules run as one sequence of Transformer Engine ops
@@ -21,7 +22,7 @@ import functools
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from ..kernels.swiglu_fp8 import swiglu_fp8_path, swiglu_to_fp8
+from ..kernels.swiglu_fp8 import drop_row_major, swiglu_fp8_path, swiglu_to_fp8
 from . import elementwise
 
 
@@ -65,6 +66,10 @@ class LitesparkMLP(_LlamaMLP, MLP):
             activation = elementwise.swiglu(gate_up)
             self.swiglu_ran = elementwise.swiglu_impl(gate_up.device.type)
         out, bias = self.linear_fc2(activation)
+        if quantizers:
+            # fc2 keeps its input for the weight gradient, which reads the column-major layout only: TE drops the
+            # row-major data of inputs it quantized itself, and of this one it keeps what it was handed.
+            drop_row_major(activation)
         return out.view(*shape[:-1], out.size(-1)), bias
 
 

@@ -1,0 +1,47 @@
+"""FP8 bytes written from fp32 registers, shared by Litespark's FP8 kernels (swiglu_fp8_triton.py,
+fp8_logits_triton.py): the byte of a scaled value by integer arithmetic, and a tile stored in both layouts at once,
+row-major (a GEMM's input) and column-major (the weight-gradient GEMM's), transposed in on-chip memory. Device
+functions only (inlined into the kernels that call them); imported only where Triton runs."""
+import triton
+import triton.language as tl
+
+# The FP8 formats as (mantissa bits, exponent bias): e4m3 (the forward's) and e5m2 (the backward's, TE's hybrid).
+FORMATS = {"e4m3": (3, 7), "e5m2": (2, 15)}
+
+
+@triton.jit
+def _fp8_codes(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The FP8 byte of y * scale, saturated to the format's largest finite value, rounded to nearest even (what
+    Transformer Engine's cast writes), as integer arithmetic on the fp32 bits; uint32 codes 0-255.
+
+    Not Triton's `.to(tl.float8e4nv)`: compiled by Triton 3.6 for an H200 it wrote wrong bytes into a part of the
+    tile (a quarter to a half of them, which part depending on the shapes), and its interpreter rounds without
+    carrying into the exponent. Integer arithmetic is exact on both."""
+    scaled = y * scale
+    v = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
+    bits = v.to(tl.uint32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    shift: tl.constexpr = 23 - MANTISSA
+    # A normal FP8 number: the fp32 mantissa rounded to MANTISSA bits (half an FP8 step minus one, plus the kept
+    # last bit: ties to even; a carry moves into the exponent), then the exponent rebiased.
+    normal = ((magnitude + ((1 << (shift - 1)) - 1) + ((magnitude >> shift) & 1)) >> shift) - \
+        ((127 - BIAS) << MANTISSA)
+    # Below the smallest normal one, 2^(1 - BIAS): a count of the smallest subnormal, 2^(1 - BIAS - MANTISSA),
+    # rounded to nearest even by the fp32 addition of 1.5 * 2^23.
+    steps = tl.abs(v) * (2.0 ** (BIAS - 1 + MANTISSA))
+    subnormal = ((steps + 12582912.0) - 12582912.0).to(tl.uint32)
+    code = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
+    code = tl.where(scaled != scaled, 0x7F, code)  # NaN stays NaN (compiled, the clamp would saturate it)
+    return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def _store_both(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, row_ptr, col_ptr, r, c,
+                rows, channels, row_width, col_offset):
+    """y [BLOCK_ROWS, BLOCK_CHANNELS] fp32 at rows r, channels c (+ col_offset) of the [rows, row_width] row-major FP8
+    tensor and of its [row_width, rows] transpose (uint8 pointers), the codes transposed as 32-bit integers."""
+    code = _fp8_codes(y, scale, FP8_MAX, MANTISSA, BIAS)
+    in_tile = (r < rows)[:, None] & (c < channels)[None, :]
+    tl.store(row_ptr + r[:, None] * row_width + (col_offset + c)[None, :], code.to(tl.uint8), mask=in_tile)
+    in_tile_t = (c < channels)[:, None] & (r < rows)[None, :]
+    tl.store(col_ptr + (col_offset + c)[:, None] * rows + r[None, :], tl.trans(code).to(tl.uint8), mask=in_tile_t)

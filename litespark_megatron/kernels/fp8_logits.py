@@ -1,0 +1,214 @@
+"""Litespark's FP8 output layer: the logits' GEMM and both of its backward GEMMs in FP8, with the cross-entropy's
+gradient written in FP8 straight from the logits.
+
+The output layer of a Llama model is the largest GEMM of the step (hidden x vocabulary: 128,256 columns for Llama 3)
+and megatron-core runs it in BF16 whatever the recipe (TE's FP8 covers the transformer layers). Here, with the loss
+fused in, a micro-batch's tokens h [T, H] and this rank's vocabulary shard W [V, H] go:
+
+    forward   h, W -> FP8 e4m3 (current scaling: the tensor's own amax), both layouts, one pass each;
+              logits [T, V] = h W^T as one FP8 GEMM, bf16 out; the loss from them (the cross-entropy kernel's row
+              statistics, combined over the TP group); kept: the logits, one logsumexp per row, the column-major
+              FP8 h and W.
+    backward  one pass over the logits writes the loss's gradient (softmax - onehot) * dloss in FP8 e5m2, both
+              layouts; dh = dlogits W and dW = dlogits^T h as FP8 GEMMs. Its scale needs no pass of its own:
+              |softmax - onehot| <= 1, so max |dloss| bounds the gradient's amax.
+
+dW goes into the weight's main_grad (megatron-core's gradient-accumulation fusion) where the output layer fuses it,
+else it is the weight's gradient. Tensor parallelism is megatron-core's: the input is copied (or all-gathered under
+sequence parallelism) into the column-parallel layer by its own mappings, whose backward reduces dh.
+
+`fp8_logits_loss_reference` defines the function in plain torch (quantize, dequantize, matmul in fp32); the tests
+hold the Triton kernels and FP8 GEMMs to it. FP8 logits change the model's numerics where the stock layers keep
+BF16, so the flag is opt-in: a loss-equivalence run decides, not this file.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import kernel_path
+from .cross_entropy import _tp, row_statistics
+
+FORWARD = torch.float8_e4m3fn  # the logits' inputs: h and W
+BACKWARD = torch.float8_e5m2  # the logits' gradient (Transformer Engine's hybrid format)
+# _scaled_mm (cuBLASLt's FP8 GEMM) takes dimensions that are multiples of 16.
+ALIGNMENT = 16
+
+fp8_logits_path = kernel_path  # what the FP8 output layer runs on a device of this type
+
+
+def current_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale that maps amax to the format's largest finite value (1 where amax is 0); fp32, on amax's device,
+    no synchronization."""
+    amax = amax.float().reshape(1)
+    return torch.where(amax > 0, torch.finfo(dtype).max / amax, torch.ones_like(amax))
+
+
+def amax_scale(x: torch.Tensor, dtype: torch.dtype, group=None) -> torch.Tensor:
+    """Current scaling: the scale of x's own amax, the largest over `group` where x is one shard of a tensor (the
+    output layer's weight under TP), so that every layout quantizes the whole tensor alike."""
+    amax = torch.linalg.vector_norm(x.detach(), ord=float("inf")).float().reshape(1)  # max |x|, no |x| copy
+    if _tp(group)[1] > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return current_scale(amax, dtype)
+
+
+# --------------------------------------------------------------------------------------------- the reference
+def quantize_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """x [rows, n] times scale in FP8, saturated, rounded to nearest even: (row-major [rows, n], column-major)."""
+    q = (x.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    return q, q.t().contiguous()
+
+
+def gradient_fp8_reference(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
+    """(softmax(logits) - onehot(target)) * grad in FP8 at `scale`, both layouts; softmax = exp(logits - lse)."""
+    x = logits.float()
+    local = target - vocab_start
+    onehot = torch.zeros_like(x)
+    here = (local >= 0) & (local < x.size(-1))
+    onehot[here.nonzero().squeeze(-1), local[here]] = 1.0
+    return quantize_reference((torch.exp(x - lse[:, None]) - onehot) * grad[:, None], scale, dtype)
+
+
+def _mm_reference(a, b, scale_a, scale_b, out_dtype):
+    """What torch._scaled_mm computes: (a / scale_a^-1) @ (b / scale_b^-1), fp32 accumulation."""
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+def _row_statistics_reference(logits, target, vocab_start: int, tp_group):
+    """(logsumexp, the target's logit) per row over the whole vocabulary (every TP shard), in fp32."""
+    x = logits.float()
+    row_max = x.amax(dim=-1)
+    if _tp(tp_group)[1] > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+    shift = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    local = target - vocab_start
+    here = (local >= 0) & (local < x.size(-1))
+    target_logit = x.gather(-1, torch.where(here, local, 0)[:, None]).squeeze(-1) * here
+    sums = torch.stack([torch.exp(x - shift[:, None]).sum(dim=-1), target_logit])
+    if _tp(tp_group)[1] > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    return torch.log(sums[0]) + shift, sums[1]
+
+
+# --------------------------------------------------------------------------------------------- the Triton path
+def _launch_both(kernel, inputs, rows: int, columns: int, scale, dtype, *extra):
+    from . import fp8_logits_triton as kernels
+    from .fp8_bytes_triton import FORMATS
+
+    like = inputs[0]
+    row = torch.empty(rows, columns, device=like.device, dtype=torch.uint8)
+    col = torch.empty(columns, rows, device=like.device, dtype=torch.uint8)
+    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
+    kernel[kernels.grid(rows, columns)](*inputs, row, col, scale, *extra, rows, columns, torch.finfo(dtype).max,
+                                        mantissa, bias, BLOCK_ROWS=kernels.TILE[0], BLOCK_COLUMNS=kernels.TILE[1],
+                                        num_warps=kernels.TILE[2])
+    return row.view(dtype), col.view(dtype)
+
+
+def quantize_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """quantize_reference's function through the Triton kernel."""
+    from . import fp8_logits_triton as kernels
+
+    x = x.detach().contiguous()
+    return _launch_both(kernels.fp8_cast_both_layouts, (x,), x.size(0), x.size(1), scale, dtype)
+
+
+def gradient_fp8_triton(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
+    """gradient_fp8_reference's function through the Triton kernel."""
+    from . import fp8_logits_triton as kernels
+
+    return _launch_both(kernels.cross_entropy_gradient_fp8, (logits, target, lse, grad), logits.size(0),
+                        logits.size(1), scale, dtype, vocab_start)
+
+
+def _mm_fp8(a, b, scale_a, scale_b, out_dtype):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------- the function
+class _Ops:
+    """The four steps of the function, by path: the Triton kernels and FP8 GEMMs, or the plain-torch reference."""
+
+    def __init__(self, triton: bool, cuda: bool):
+        self.quantize = quantize_triton if triton else quantize_reference
+        self.gradient = gradient_fp8_triton if triton else gradient_fp8_reference
+        self.statistics = row_statistics if triton else _row_statistics_reference
+        # (the Triton kernels under Triton's interpreter run on a CPU, where no FP8 GEMM does)
+        self.mm = _mm_fp8 if cuda else _mm_reference
+
+
+class _FP8LogitsLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, target, tp_group, padded_from, main_grad_fusion, triton):
+        ops = _Ops(triton, h.is_cuda)
+        vocab_start = _tp(tp_group)[0] * weight.size(0)
+        h_scale, w_scale = amax_scale(h, FORWARD), amax_scale(weight, FORWARD, tp_group)
+        (h_row, h_col), (w_row, w_col) = ops.quantize(h, h_scale, FORWARD), ops.quantize(weight, w_scale, FORWARD)
+        h_inv, w_inv = 1.0 / h_scale, 1.0 / w_scale
+        logits = ops.mm(h_row, w_row.t(), h_inv, w_inv, h.dtype)
+        if padded_from is not None and padded_from < logits.size(1):  # padded vocabulary: no token (model.py)
+            logits[:, padded_from:] = float("-inf")
+        lse, target_logit = ops.statistics(logits, target, vocab_start, tp_group)
+        # Kept as attributes, not saved tensors: the backward frees the logits as soon as their gradient is written.
+        ctx.logits, ctx.target, ctx.lse, ctx.h_col, ctx.h_inv, ctx.w_col, ctx.w_inv = \
+            logits, target, lse, h_col, h_inv, w_col, w_inv
+        ctx.weight, ctx.vocab_start, ctx.main_grad_fusion, ctx.ops, ctx.h_dtype = \
+            weight, vocab_start, main_grad_fusion, ops, h.dtype
+        return lse - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        ops, weight = ctx.ops, ctx.weight
+        grad = grad_loss.float().contiguous()
+        # max |dloss| bounds the gradient's amax (see the module docstring)
+        scale = current_scale(torch.linalg.vector_norm(grad, ord=float("inf")), BACKWARD)
+        d_row, d_col = ops.gradient(ctx.logits, ctx.target, ctx.lse, grad, scale, ctx.vocab_start)
+        ctx.logits = None  # 2 bytes per logit, gone before the GEMMs
+        d_inv = 1.0 / scale
+        grad_h = ops.mm(d_row, ctx.w_col.t(), d_inv, ctx.w_inv, ctx.h_dtype)
+        grad_weight = None
+        if weight.requires_grad:
+            grad_w = ops.mm(d_col, ctx.h_col.t(), d_inv, ctx.h_inv, torch.float32)
+            if ctx.main_grad_fusion:
+                weight.main_grad.add_(grad_w)
+                grad_weight = _main_grad_added(weight)
+            else:
+                grad_weight = grad_w.to(weight.dtype)
+        ctx.h_col = ctx.w_col = None
+        return grad_h, grad_weight, None, None, None, None, None
+
+
+def _main_grad_added(weight):
+    """What megatron-core's linear returns as the weight's gradient once it added it to main_grad itself
+    (tensor_parallel/layers.py): where the parameter is marked, a dummy of its shape, Transformer Engine's reused
+    buffer where TE is installed (megatron-core's DDP hooks then skip the addition); else None."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    zero = getattr(weight, "zero_out_wgrad", False)
+    try:
+        from transformer_engine.pytorch.module.base import get_dummy_wgrad
+    except ImportError:
+        return (torch.zeros if zero else torch.empty)(weight.main_grad.shape, dtype=weight.dtype,
+                                                      device=weight.device)
+    return get_dummy_wgrad(list(weight.main_grad.shape), weight.dtype, zero=zero)
+
+
+def fp8_logits_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
+                    padded_from=None, main_grad_fusion: bool = False) -> torch.Tensor:
+    """Per-token loss [T] of tokens h [T, H] against this rank's vocabulary shard weight [V, H] and global target
+    ids [T], the GEMMs in FP8. padded_from: the first local column of padding (its logits are -inf), or None.
+    main_grad_fusion: add dW into weight.main_grad (megatron-core's gradient-accumulation fusion)."""
+    if h.dim() != 2 or weight.dim() != 2 or h.size(1) != weight.size(1) or target.shape != h.shape[:1]:
+        raise ValueError(f"FP8 output layer: tokens {tuple(h.shape)}, weight {tuple(weight.shape)}, target "
+                         f"{tuple(target.shape)}; it takes [T, H], [V, H] and [T]")
+    triton = fp8_logits_path(h.device.type) == "litespark"
+    if triton:
+        short = [n for n, size in (("tokens", h.size(0)), ("hidden size", h.size(1)),
+                                   ("vocabulary shard", weight.size(0))) if size % ALIGNMENT]
+        if short:
+            raise ValueError(f"FP8 output layer: the {', '.join(short)} must be multiples of {ALIGNMENT} (FP8 GEMMs); "
+                             f"got tokens {h.size(0)}, hidden {h.size(1)}, vocabulary shard {weight.size(0)}")
+    return _FP8LogitsLoss.apply(h.contiguous(), weight, target.to(torch.int64).contiguous(), tp_group, padded_from,
+                                main_grad_fusion, triton)
