@@ -266,3 +266,20 @@ def test_on_a_gpu_shapes_the_fp8_gemms_cannot_take_are_refused(monkeypatch):
         check(base, GPU_TE)
     assert str(e.value) == ("--litespark-fp8-output-layer on a GPU runs Triton kernels, and Triton does not import "
                             "here: install torch's CUDA build with its triton, or drop the flag")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_the_column_major_layout_of_a_tensor_past_two_to_the_31_bytes_lands_where_it_belongs():
+    """16,448 x 131,136 (a micro-batch's logits and then some): the column-major offsets of the last columns pass
+    2^31, which 32-bit index arithmetic would wrap; the far corner of both layouts holds the reference's bytes."""
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30:
+        pytest.skip("needs about 10 GB of GPU memory")
+    rows, columns = 16384 + 64, 131072 + 64
+    x = torch.empty(rows, columns, device="cuda", dtype=torch.bfloat16).normal_(generator=torch.Generator(
+        device="cuda").manual_seed(0))
+    scale = fl.amax_scale(x, fl.FORWARD)
+    row, col = fl.quantize_triton(x, scale, fl.FORWARD)
+    want, _ = fl.quantize_reference(x[-64:, -64:], scale, fl.FORWARD)
+    assert torch.equal(row[-64:, -64:].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(col[-64:, -64:].view(torch.uint8), want.t().contiguous().view(torch.uint8))

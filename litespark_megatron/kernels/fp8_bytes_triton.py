@@ -44,4 +44,6 @@ def _store_both(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: t
     in_tile = (r < rows)[:, None] & (c < channels)[None, :]
     tl.store(row_ptr + r[:, None] * row_width + (col_offset + c)[None, :], code.to(tl.uint8), mask=in_tile)
     in_tile_t = (c < channels)[:, None] & (r < rows)[None, :]
-    tl.store(col_ptr + (col_offset + c)[:, None] * rows + r[None, :], tl.trans(code).to(tl.uint8), mask=in_tile_t)
+    # in 64 bits: a column-major offset passes 2^31 at 16,384 rows x 131,072 columns (a micro-batch's logits)
+    column = (col_offset + c).to(tl.int64)
+    tl.store(col_ptr + column[:, None] * rows + r[None, :], tl.trans(code).to(tl.uint8), mask=in_tile_t)

@@ -84,23 +84,22 @@ def _launch(kernel, tile, inputs, rows: int, channels: int, width: int, scale, a
     return row.view(dtype), col.view(dtype), scale_inv
 
 
-def swiglu_fp8_triton(gate_up, scale, amax, dtype, tile=None):
-    """swiglu_fp8_reference's function through the Triton kernel (tile: (rows, channels, warps), the tuned one by
-    default)."""
+def swiglu_fp8_triton(gate_up, scale, amax, dtype):
+    """swiglu_fp8_reference's function through the Triton kernel."""
     from . import swiglu_fp8_triton as kernels
 
     rows, channels = gate_up.size(0), gate_up.size(1) // 2
-    return _launch(kernels.swiglu_fp8_forward, tile or kernels.FORWARD_TILE, (gate_up,), rows, channels, channels,
-                   scale, amax, dtype)
+    return _launch(kernels.swiglu_fp8_forward, kernels.FORWARD_TILE, (gate_up,), rows, channels, channels, scale,
+                   amax, dtype)
 
 
-def dswiglu_fp8_triton(dy, gate_up, scale, amax, dtype, tile=None):
+def dswiglu_fp8_triton(dy, gate_up, scale, amax, dtype):
     """dswiglu_fp8_reference's function through the Triton kernel."""
     from . import swiglu_fp8_triton as kernels
 
     rows, channels = gate_up.size(0), gate_up.size(1) // 2
-    return _launch(kernels.swiglu_fp8_backward, tile or kernels.BACKWARD_TILE, (dy, gate_up), rows, channels,
-                   2 * channels, scale, amax, dtype)
+    return _launch(kernels.swiglu_fp8_backward, kernels.BACKWARD_TILE, (dy, gate_up), rows, channels, 2 * channels,
+                   scale, amax, dtype)
 
 
 swiglu_fp8_path = kernel_path  # what the MLP's FP8 SwiGLU runs on a device of this type
