@@ -187,7 +187,9 @@ def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
         covered_to, before = start, "(step start)"
         for evt in busy:
             b, e = evt["ts"], evt["ts"] + evt["dur"]
-            if e <= start or b >= end:
+            if b >= end:  # sorted by start: the rest begin after this step
+                break
+            if e <= start:
                 continue
             if b > covered_to:
                 idle_us += b - covered_to
