@@ -40,6 +40,16 @@ from .platform import callbacks
 # The functions of megatron.training.training whose events telemetry hears (platform.callbacks wraps them).
 HOOKED = ("training_log", "evaluate_and_print_results", "evaluate", "save_checkpoint_and_time", "load_checkpoint")
 TB_PREFIX = "litespark/"
+# The caching allocator's work in an interval (torch.cuda.memory_stats' cumulative counters): memory asked of the
+# driver, memory given back (cudaFree synchronizes the device), and allocations that found the device full and
+# freed the whole cache to retry. A steady run does none of them; a run near its memory limit shows it here first.
+ALLOCATOR_COUNTS = {"device_mallocs": "num_device_alloc", "device_frees": "num_device_free",
+                    "alloc_retries": "num_alloc_retries"}
+
+
+def allocator_counts(stats: dict) -> list:
+    """The cumulative counters of ALLOCATOR_COUNTS, in its order, from torch.cuda.memory_stats()."""
+    return [int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS.values()]
 
 
 def _data_description(args) -> str:
@@ -199,6 +209,8 @@ class Telemetry:
         self._loss_sum, self._loss_count, self._skipped = None, 0, 0
         self._forward_s, self._forward_events = 0.0, []
         self._consumed_mark = getattr(self.args, "consumed_train_samples", 0)
+        if self.cuda:
+            self._allocator_before = allocator_counts(torch.cuda.memory_stats())
         if self.energy_ok:
             self.energy.lap()  # what ran before this interval (set-up, evaluation, a save) is not counted
 
@@ -312,11 +324,15 @@ class Telemetry:
 
     def _memory(self) -> dict:
         if self.cuda:
-            stats = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()],
+            interval = [now - before for now, before in
+                        zip(allocator_counts(torch.cuda.memory_stats()), self._allocator_before)]
+            stats = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(), *interval],
                                  dtype=torch.float64, device="cuda")
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             torch.cuda.reset_peak_memory_stats()
-            return dict(mem_max_allocated_gb=stats[0].item() / 2**30, mem_reserved_gb=stats[1].item() / 2**30)
+            stats = stats.tolist()  # one copy to the host
+            return dict(mem_max_allocated_gb=stats[0] / 2**30, mem_reserved_gb=stats[1] / 2**30,
+                        **{name: int(n) for name, n in zip(ALLOCATOR_COUNTS, stats[2:])})
         import psutil
 
         return dict(host_rss_gb=psutil.Process().memory_info().rss / 2**30)

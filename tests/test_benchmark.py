@@ -693,3 +693,22 @@ def test_a_variants_environment_reaches_its_worker_alone(tmp_path, monkeypatch):
     for system in (variant, benchmark.SYSTEMS["stock-te-fp8"]):
         assert benchmark.run_worker("v", system, [], 1, 1, opts, tmp_path)["status"] == "failed"
     assert seen[0]["LITESPARK_TEST_VARIANT_ENV"] == "1" and "LITESPARK_TEST_VARIANT_ENV" not in seen[1]
+
+
+def test_a_row_whose_allocator_went_to_the_driver_in_the_timed_steps_says_so():
+    """telemetry's allocator counts of the timed steps: none, no note; any cudaMalloc, cudaFree or out-of-memory
+    retry, one note with the totals (a cudaFree synchronizes the device: time the kernel table does not show)."""
+    from litespark_megatron.apps.benchmark import _allocator_note
+    from litespark_megatron.telemetry import allocator_counts
+
+    steady = dict(device_mallocs=0, device_frees=0, alloc_retries=0)
+    assert _allocator_note([steady, steady]) is None
+    assert _allocator_note([{}, {"device_mallocs": None}]) is None  # a CPU run's records have no counts
+    note = _allocator_note([steady, dict(device_mallocs=3, device_frees=2, alloc_retries=1),
+                            dict(device_mallocs=1, device_frees=0, alloc_retries=0)])
+    assert note.startswith("the caching allocator in the timed steps: 4 cudaMalloc, 2 cudaFree, 1 out-of-memory "
+                           "retries") and "synchronizes the device" in note
+    # torch.cuda.memory_stats' cumulative counters, in the order of the record's names
+    assert allocator_counts({"num_device_alloc": 7, "num_device_free": 2, "num_alloc_retries": 1,
+                             "allocated_bytes.all.current": 5}) == [7, 2, 1]
+    assert allocator_counts({}) == [0, 0, 0]

@@ -22,6 +22,11 @@ def test_the_tiny_model_trains_on_the_gpu(tmp_path, spec, precision):
     ran = [line for line in proc.stdout.splitlines() if line.startswith("what ran: ")]
     assert len(ran) == 1 and "(CPU)" not in ran[0] and not ran[0].endswith(", cpu"), proc.stdout[-3000:]
     assert "DEGRADED" not in proc.stdout, ran
-    losses = [r["loss"] for r in records(metrics, "train")]
+    rows = records(metrics, "train")
+    losses = [r["loss"] for r in rows]
     assert len(losses) == 30 and losses[-1] < losses[0], losses
+    # The caching allocator: the first step takes its memory from the driver, the steady steps none (no cudaMalloc,
+    # no cudaFree, no out-of-memory retry).
+    counts = [(r["device_mallocs"], r["device_frees"], r["alloc_retries"]) for r in rows]
+    assert counts[0][0] > 0 and counts[-10:] == [(0, 0, 0)] * 10, counts
     assert records(metrics, "run")[-1]["energy_kwh"] > 0, records(metrics, "run")

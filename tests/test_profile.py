@@ -137,6 +137,9 @@ def test_gpu_idle_is_the_step_not_covered_by_gpu_work_and_each_gap_is_charged_to
         return {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 2, "pid": 1, "tid": 1,
                 "args": {"correlation": corr}}
 
+    def runtime(name, ts, dur):
+        return {"ph": "X", "name": name, "cat": "cuda_runtime", "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}
+
     def op(name, ts, dur):
         return {"ph": "X", "name": name, "cat": "cpu_op", "ts": ts, "dur": dur, "pid": 1, "tid": 1}
 
@@ -151,7 +154,12 @@ def test_gpu_idle_is_the_step_not_covered_by_gpu_work_and_each_gap_is_charged_to
               # outside the step: ignored
               kernel("k_f", 1200, 50, 6),
               launch(10, 1), launch(20, 2), launch(30, 3), op("aten::linear", 500, 60), op("aten::mm", 510, 40),
-              launch(520, 4), op("aten::add", 700, 20), launch(705, 5)]
+              launch(520, 4), op("aten::add", 700, 20), launch(705, 5),
+              # the host inside runtime calls: a synchronization across the 400-600 gap's start (130 us of it), a
+              # cudaMalloc inside the 700-800 gap (40 us), one outside every gap, one inside the 5 us gap (not
+              # listed: that gap is launch latency); launches are not waits
+              runtime("cudaStreamSynchronize", 380, 150), runtime("cudaMalloc", 720, 40),
+              runtime("cudaMalloc", 100, 50), runtime("cudaFree", 301, 3)]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = summarize_trace(str(path))
@@ -162,3 +170,6 @@ def test_gpu_idle_is_the_step_not_covered_by_gpu_work_and_each_gap_is_charged_to
     assert idle["gaps"][0]["count_per_step"] == 1
     md = render(s, "gaps")
     assert "GPU idle 0.4 ms/step" in md and "| `aten::mm` | `k_c` | 0.20 | 1 |" in md
+    assert idle["host_calls"] == [{"call": "cudaStreamSynchronize", "ms_per_step": pytest.approx(0.13)},
+                                  {"call": "cudaMalloc", "ms_per_step": pytest.approx(0.04)}]
+    assert "host spent 0.2 ms/step inside CUDA runtime calls" in md and "| `cudaStreamSynchronize` | 0.13 |" in md

@@ -1133,6 +1133,8 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
     n_skipped = sum(r["skipped_in_interval"] for r in timed)
     notes = [f"{n_skipped} timed step(s) skipped the update (inf/nan gradients): less work than a full step"] \
         if n_skipped else []
+    note = _allocator_note(timed)
+    notes += [note] if note else []
     profile = None
     if profile_steps:
         traces = sorted((run_dir / "torch_profile").glob("rank-0.json*"))
@@ -1148,6 +1150,20 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
                 precision=precision, notes=notes, spec=args.litespark_spec, backend=args.transformer_impl,
                 health={k: health[k] for k in ("attention", "attention_kind", "fusions", "degraded", "device_type")}
                 if health else None)
+
+
+def _allocator_note(timed: List[dict]) -> Optional[str]:
+    """A note where the caching allocator went to the driver during the timed steps (telemetry's allocator counts):
+    a steady step reuses its cached memory, and a cudaFree (which synchronizes the device) or an out-of-memory retry
+    (the whole cache freed) costs the row time no kernel shows."""
+    from ..telemetry import ALLOCATOR_COUNTS
+
+    totals = {k: sum(r.get(k) or 0 for r in timed) for k in ALLOCATOR_COUNTS}
+    if not any(totals.values()):
+        return None
+    return (f"the caching allocator in the timed steps: {totals['device_mallocs']} cudaMalloc, "
+            f"{totals['device_frees']} cudaFree, {totals['alloc_retries']} out-of-memory retries (each frees the "
+            "cache); a cudaFree synchronizes the device: time no kernel shows")
 
 
 def _dtype_name(dtype) -> str:

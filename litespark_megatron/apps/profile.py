@@ -181,7 +181,7 @@ def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
     busy = sorted(gpu, key=lambda e: (e["ts"], e["dur"]))
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    idle_us, found = 0.0, []  # found: (gap us, the launch ending it or None, the kernel before it)
+    idle_us, found, spans = 0.0, [], []  # found: (gap us, the launch ending it or None, the kernel before it)
     for step in steps:
         start, end = step["ts"], step["ts"] + step["dur"]
         covered_to, before = start, "(step start)"
@@ -195,6 +195,7 @@ def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
                 idle_us += b - covered_to
                 if b - covered_to > GAP_US:
                     found.append((b - covered_to, launches.get(evt.get("args", {}).get("correlation")), before))
+                    spans.append((covered_to, b))
             if e > covered_to:
                 covered_to, before = e, evt["name"]
         idle_us += max(end - covered_to, 0.0)
@@ -209,9 +210,35 @@ def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
         total[1] += 1
     n = len(steps)
     ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    waits = sorted(_host_calls_in(spans, events).items(), key=lambda kv: -kv[1])[:top]
     return dict(ms_per_step=idle_us / 1e3 / n, gap_us=GAP_US,
                 gaps=[dict(host_op=op, after_kernel=prev, ms_per_step=us / 1e3 / n, count_per_step=count / n)
-                      for (op, prev), (us, count) in ranked])
+                      for (op, prev), (us, count) in ranked],
+                host_calls=[dict(call=name, ms_per_step=us / 1e3 / n) for name, us in waits])
+
+
+def _host_calls_in(spans, events) -> Dict[str, float]:
+    """call name -> microseconds of the gaps `spans` ([start, end) of GPU idle) that the host spent inside that CUDA
+    runtime or driver call: a synchronization (cudaStreamSynchronize, a device-to-host cudaMemcpyAsync), or
+    memory the caching allocator asked the driver for or gave back (cudaMalloc, cudaFree, which synchronizes the
+    device). Kernel launches are left out: idle the host spent elsewhere was Python and operator overhead."""
+    import bisect
+
+    spans = sorted(spans)
+    starts = [b for b, _ in spans]
+    found: Dict[str, float] = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or "Launch" in name:
+            continue
+        b, end = e["ts"], e["ts"] + e["dur"]
+        i = max(bisect.bisect_right(starts, b) - 1, 0)
+        while i < len(spans) and spans[i][0] < end:
+            overlap = min(end, spans[i][1]) - max(b, spans[i][0])
+            if overlap > 0:
+                found[name] = found.get(name, 0.0) + overlap
+            i += 1
+    return found
 
 
 def _innermost_ops(ops, launches) -> Dict[int, str]:
@@ -286,6 +313,13 @@ def render(summary: dict, title: str) -> str:
         for g in idle["gaps"]:
             lines.append(f"| `{_short(g['host_op'])}` | `{_short(g['after_kernel'])}` | {g['ms_per_step']:.2f} | "
                          f"{g['count_per_step']:g} |")
+        calls = idle.get("host_calls") or []
+        inside = sum(c["ms_per_step"] for c in calls)
+        lines += ["", f"Of those gaps the host spent {inside:.1f} ms/step inside CUDA runtime calls other than "
+                      "launches (the rest: Python and operator overhead between launches):"]
+        if calls:
+            lines += ["", "| host call during the gaps | ms/step |", "|---|---|"]
+            lines += [f"| `{_short(c['call'])}` | {c['ms_per_step']:.2f} |" for c in calls]
     return "\n".join(lines) + "\n"
 
 
