@@ -15,6 +15,11 @@
 #                          an argument --lr-warmup-iters wins
 #   KEEP_DONE=0            1: keep a run whose directory already logged step STEPS instead of training it again
 #                          (to spread the runs over several sessions; delete a run's directory to redo it)
+#   RESUME=0               1: every run saves a checkpoint into its directory's ckpt/ every SAVE_INTERVAL steps
+#                          (keeping the newest), and a run that stopped before STEPS (a time limit, a lost machine)
+#                          goes on from it instead of starting over; resume is bit-exact, so the curve is the one an
+#                          unbroken run draws. Finished runs are kept, as with KEEP_DONE=1
+#   SAVE_INTERVAL=STEPS/10 with RESUME=1: steps between checkpoints
 #   CONCURRENT=1           train this many runs at once, run k of each wave on GPUs k*NPROC .. k*NPROC+NPROC-1
 #                          (CUDA_VISIBLE_DEVICES): the check takes about one run's time on a node with enough GPUs
 #                          (the first run starts alone and the others once it logged a step: the data's index cache)
@@ -32,7 +37,8 @@
 #   CONCURRENT=3 bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32   # 3 GPUs at once
 #   RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local" MODEL=tiny STEPS=50 \
 #       bash scripts/loss_equivalence.sh        # anywhere, CPU included
-# Exit status: 0 all within tolerance, 1 one is not (report.md says which), 2 bad input or a run that failed.
+# Exit status: 0 all within tolerance, 1 one is not (report.md says which), 2 bad input, a run that failed or one
+# that stopped before STEPS.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,10 +64,15 @@ PY="${PYTHON:-python3}"
 if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
 
 [[ $STEPS =~ ^[0-9]+$ ]] && WARMUP="${WARMUP:-$((10#$STEPS / 10))}"
-for v in STEPS NPROC SMOOTH CONCURRENT; do check_int "$v" "${!v}" 1; done
+[[ $STEPS =~ ^[0-9]+$ ]] && SAVE_INTERVAL="${SAVE_INTERVAL:-$((10#$STEPS / 10 > 0 ? 10#$STEPS / 10 : 1))}"
+for v in STEPS NPROC SMOOTH CONCURRENT SAVE_INTERVAL; do check_int "$v" "${!v}" 1; done
 for v in START_STEP WARMUP; do check_int "$v" "${!v}" 0; done
 SHARE_GPUS="${SHARE_GPUS:-0}"
 [[ $SHARE_GPUS =~ ^[01]$ ]] || die "SHARE_GPUS='$SHARE_GPUS' must be 0 or 1"
+RESUME="${RESUME:-0}"
+[[ $RESUME =~ ^[01]$ ]] || die "RESUME='$RESUME' must be 0 or 1"
+KEEP_DONE="${KEEP_DONE:-0}"
+[ "$RESUME" = 0 ] || KEEP_DONE=1
 [ "$START_STEP" -lt "$STEPS" ] || die "START_STEP=$START_STEP must be below STEPS=$STEPS"
 [ "$WARMUP" -lt "$STEPS" ] || die "WARMUP=$WARMUP must be below STEPS=$STEPS"
 
@@ -91,10 +102,10 @@ todo=()
 for i in "${!names[@]}"; do
   dir="$OUT_DIR/${names[$i]}"
   dirs+=("$dir")
-  if [ "${KEEP_DONE:-0}" = 1 ] && [ -f "$dir/metrics.jsonl" ] && "$PY" -c "import json, sys; sys.exit(0 if any(
+  if [ "$KEEP_DONE" = 1 ] && [ -f "$dir/metrics.jsonl" ] && "$PY" -c "import json, sys; sys.exit(0 if any(
       r.get('kind') == 'train' and r.get('step') == $STEPS for r in map(json.loads, open(sys.argv[1]))) else 1)" \
       "$dir/metrics.jsonl"; then
-    echo "[$((i + 1))/${#names[@]}] ${names[$i]}: kept (KEEP_DONE=1, $dir logged step $STEPS)"
+    echo "[$((i + 1))/${#names[@]}] ${names[$i]}: kept ($([ "$RESUME" = 1 ] && echo RESUME || echo KEEP_DONE)=1, $dir logged step $STEPS)"
   else
     todo+=("$i")
   fi
@@ -105,9 +116,17 @@ done
 start_run() {
   local i=$1 slot=$2 dir="${dirs[$1]}" gpus="" d
   shift 2
-  rm -rf "$dir"
   # shellcheck disable=SC2206
   local extra=(${flags[$i]}) cmd
+  if [ "$RESUME" = 1 ]; then
+    # The run's own checkpoints, newest kept; its metrics file goes on from the checkpoint's step (telemetry.py).
+    extra+=(--save "$dir/ckpt" --load "$dir/ckpt" --save-interval "$SAVE_INTERVAL" --keep-last-checkpoints 1)
+    if [ -f "$dir/ckpt/latest_checkpointed_iteration.txt" ]; then
+      echo "[$((i + 1))/${#names[@]}] ${names[$i]}: resumes from step $(cat "$dir/ckpt/latest_checkpointed_iteration.txt")"
+    fi
+  else
+    rm -rf "$dir"
+  fi
   if [ "$NPROC" -gt 1 ]; then
     cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m litespark_megatron)
   else
@@ -150,6 +169,15 @@ for ((w = 0; w < ${#todo[@]}; w += CONCURRENT)); do
   done
   for name in "${failed[@]}"; do tail -5 "$OUT_DIR/$name.log" >&2; done
   [ "${#failed[@]}" -eq 0 ] || die "run '${failed[0]}' failed (log: $OUT_DIR/${failed[0]}.log)"
+done
+
+# A run that exited before STEPS (--exit-interval, --exit-duration-in-mins, a signal megatron.training saved on)
+# did not fail, but its curve is short: no verdict on part of a curve.
+for i in "${!names[@]}"; do
+  last=$("$PY" -c "import json, sys; print(max([r['step'] for r in map(json.loads, open(sys.argv[1]))
+      if r.get('kind') == 'train'] or [0]))" "${dirs[$i]}/metrics.jsonl" 2>/dev/null || echo 0)
+  [ "$last" = "$STEPS" ] || die "run '${names[$i]}' stopped at step $last of $STEPS (log: $OUT_DIR/${names[$i]}.log);\
+ with RESUME=1 the next call goes on from its last checkpoint"
 done
 
 set +e
