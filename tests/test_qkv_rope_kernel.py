@@ -77,6 +77,33 @@ def test_triton_kernels_equal_the_reference(interpreted):
     assert interpreted["fp32_v"] == interpreted["bf16_v"] == 0.0, interpreted
 
 
+def test_the_angle_tables_are_computed_once_per_angles_tensor_and_again_when_it_changes(monkeypatch):
+    """The kernels' cos and sin tables: torch's of the angles, kept on the angles tensor (the rotary embedding hands
+    the same one to every layer and step); computed again after an in-place change or at another shape; a key with
+    its own angles gets its own tables."""
+    calls = []
+    cos = torch.cos
+    monkeypatch.setattr(qr.torch, "cos", lambda t: calls.append(t.shape) or cos(t))
+    s, d = 6, 8
+    freqs = torch.rand(s, 1, 1, d, dtype=torch.float64) * 60
+    first = qr._cos_sin(freqs, freqs, s, d)
+    assert len(calls) == 1 and first[0] is first[2] and first[1] is first[3]
+    assert torch.equal(first[0], cos(freqs.reshape(s, d).float()))
+    assert torch.equal(first[1], torch.sin(freqs.reshape(s, d).float())) and first[0].dtype == torch.float32
+    again = qr._cos_sin(freqs, freqs, s, d)
+    assert len(calls) == 1 and all(a is b for a, b in zip(first, again))
+    freqs.mul_(0.5)  # in place: the tables follow
+    changed = qr._cos_sin(freqs, freqs, s, d)
+    assert len(calls) == 2 and torch.equal(changed[0], cos(freqs.reshape(s, d).float()))
+    qr._cos_sin(freqs, freqs, s * d, 1)  # another shape (the tensor keeps the last shape's tables)
+    assert len(calls) == 3
+    qr._cos_sin(freqs, freqs, s, d)
+    assert len(calls) == 4
+    key = torch.rand(s, 1, 1, d, dtype=torch.float64)
+    own = qr._cos_sin(freqs, key, s, d)
+    assert len(calls) == 5 and torch.equal(own[2], cos(key.reshape(s, d).float())) and own[0] is not own[2]
+
+
 def test_the_cpu_runs_the_reference():
     mixed, freqs = torch.randn(2, 1, 2, 5 * 8), torch.rand(2, 1, 1, 8)
     assert qr.qkv_rope_path("cpu") == "litespark (reference)"

@@ -12,7 +12,8 @@ three gradients back into the projection's layout (a copy of all of them). These
     backward  the same programs: the inverse rotation of the query's and key's gradients and the value's gradient,
               written straight into the projection's layout.
 
-Nothing but the angles is saved for the backward (the rotation is linear).
+Nothing but the angles' cos and sin tables is kept for the backward (the rotation is linear), and those once per run,
+not per layer (`_tables`).
 
 `qkv_rope_reference` defines the function in plain torch; tests/test_qkv_rope_kernel.py holds the Triton path to it.
 `qkv_rope` runs the Triton path on CUDA and the reference elsewhere; `qkv_rope_path` says which (the run's "what
@@ -51,14 +52,26 @@ def qkv_rope_reference(mixed: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torc
 
 
 def _cos_sin(q_freqs, k_freqs, s: int, d: int):
-    """cos and sin of the query's and key's angles as [s, d] fp32 (torch's, as the reference's); computed once
-    where both are the same tensor (Llama), recomputed in the backward rather than kept."""
-    q = q_freqs.reshape(s, d).float()
-    q_cos, q_sin = torch.cos(q).contiguous(), torch.sin(q).contiguous()
+    """cos and sin of the query's and key's angles as [s, d] fp32 (torch's, as the reference's); once where both
+    are the same tensor (Llama)."""
+    q_cos, q_sin = _tables(q_freqs, s, d)
     if k_freqs is q_freqs:
         return q_cos, q_sin, q_cos, q_sin
-    k = k_freqs.reshape(s, d).float()
-    return q_cos, q_sin, torch.cos(k).contiguous(), torch.sin(k).contiguous()
+    return (q_cos, q_sin) + _tables(k_freqs, s, d)
+
+
+def _tables(freqs: torch.Tensor, s: int, d: int):
+    """(cos, sin) of one angles tensor, kept on that tensor: megatron-core's rotary embedding hands the same tensor
+    to every layer and step (its forward is cached), so the tables are computed once per run instead of twice per
+    layer and micro-batch (two kernels and their launches each time). Computed again if the tensor changed in place
+    since (its version counter) or is read at another shape."""
+    kept = getattr(freqs, "_litespark_cos_sin", None)
+    if kept is not None and kept[:2] == (freqs._version, (s, d)):
+        return kept[2:]
+    angles = freqs.reshape(s, d).float()
+    tables = (torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+    freqs._litespark_cos_sin = (freqs._version, (s, d)) + tables
+    return tables
 
 
 class _TritonQKVRoPE(torch.autograd.Function):
@@ -71,11 +84,13 @@ class _TritonQKVRoPE(torch.autograd.Function):
         mixed = mixed.contiguous()
         query = mixed.new_empty(s, b, groups * heads_per_group, d)
         key, value = mixed.new_empty(s, b, groups, d), mixed.new_empty(s, b, groups, d)
+        cos_sin = _cos_sin(q_freqs, k_freqs, s, d)
         kernels.qkv_rope_forward[(s * b, groups)](
-            mixed, *_cos_sin(q_freqs, k_freqs, s, d), query, key, value, b, groups, heads_per_group, d,
+            mixed, *cos_sin, query, key, value, b, groups, heads_per_group, d,
             HEADS=kernels.heads_block(heads_per_group), num_warps=kernels.warps(heads_per_group, d))
-        ctx.same_angles = k_freqs is q_freqs
-        ctx.save_for_backward(q_freqs, k_freqs)  # the rotary embedding's own tensor: no memory of this layer's
+        # The tables shared by every layer (_tables): no memory of this layer's. An attribute, not a saved tensor:
+        # they are never changed in place.
+        ctx.cos_sin = cos_sin
         ctx.heads_per_group, ctx.shape = heads_per_group, mixed.shape
         return query, key, value
 
@@ -83,14 +98,12 @@ class _TritonQKVRoPE(torch.autograd.Function):
     def backward(ctx, d_query, d_key, d_value):
         from . import qkv_rope_triton as kernels
 
-        q_freqs, k_freqs = ctx.saved_tensors
         s, b, groups, width = ctx.shape
         p = ctx.heads_per_group
         d = width // (p + 2)
         d_mixed = d_query.new_empty(ctx.shape)
-        cos_sin = _cos_sin(q_freqs, q_freqs if ctx.same_angles else k_freqs, s, d)
         kernels.qkv_rope_backward[(s * b, groups)](
-            d_query.contiguous(), d_key.contiguous(), d_value.contiguous(), *cos_sin, d_mixed, b, groups, p, d,
+            d_query.contiguous(), d_key.contiguous(), d_value.contiguous(), *ctx.cos_sin, d_mixed, b, groups, p, d,
             HEADS=kernels.heads_block(p), num_warps=kernels.warps(p, d))
         return d_mixed, None, None, None
 
