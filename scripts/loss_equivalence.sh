@@ -37,8 +37,7 @@
 #   CONCURRENT=3 bash scripts/loss_equivalence.sh --micro-batch-size 4 --global-batch-size 32   # 3 GPUs at once
 #   RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local" MODEL=tiny STEPS=50 \
 #       bash scripts/loss_equivalence.sh        # anywhere, CPU included
-# Exit status: 0 all within tolerance, 1 one is not (report.md says which), 2 bad input, a run that failed or one
-# that stopped before STEPS.
+# Exit status: 0 all within tolerance, 1 one is not (report.md says which), 2 bad input or a run failed or stopped.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -51,30 +51,27 @@ def test_same_function_same_curve_and_a_different_run_is_caught(tmp_path):
     assert again.stdout.count(": kept (KEEP_DONE=1") == 2 and "python" not in again.stdout.split("reference:")[0]
 
 
-def test_resume_goes_on_from_each_runs_checkpoint_and_draws_the_unbroken_curve(tmp_path):
-    """RESUME=1: the runs stop at step 4 of 6 (--exit-interval 4: megatron.training saves and exits 0): no verdict
-    on part of a curve, exit 2 naming the run; the next call goes on from each run's checkpoint (SAVE_INTERVAL=2,
-    the newest kept) to step 6, and every loss equals that of runs never stopped (RESUME=0)."""
-    knobs = dict(STEPS="6", START_STEP="1", SMOOTH="1", TOLERANCE="0.001", SAVE_INTERVAL="2",
-                 RUNS="stock-local:--spec stock-local;litespark-local:--transformer-impl local")
-    stopped = equivalence(tmp_path, *DATA, "--exit-interval", "4", RESUME="1", **knobs)
-    assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
-    assert "error: run 'stock-local' stopped at step 4 of 6" in stopped.stderr
-    assert "with RESUME=1 the next call goes on from its last checkpoint" in stopped.stderr
-    ckpt = tmp_path / "eq" / "stock-local" / "ckpt"
+def test_resume_goes_on_from_a_runs_checkpoint_and_draws_the_unbroken_curve(tmp_path):
+    """RESUME=1, two runs of one function: `stopped` leaves at step 4 of 6 (--exit-interval 4: megatron.training
+    saves and exits 0), so no verdict on part of a curve: exit 2 naming it. The next call keeps the finished run and
+    takes `stopped` on from its checkpoint (SAVE_INTERVAL=2, the newest kept) to step 6: every loss equals the
+    unbroken run's."""
+    knobs = dict(STEPS="6", START_STEP="1", SMOOTH="1", TOLERANCE="0.001", SAVE_INTERVAL="2", RESUME="1",
+                 RUNS="unbroken:--spec stock-local;stopped:--spec stock-local --exit-interval 4")
+    first = equivalence(tmp_path, *DATA, **knobs)
+    assert first.returncode == 2, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "error: run 'stopped' stopped at step 4 of 6" in first.stderr
+    assert "with RESUME=1 the next call goes on from its last checkpoint" in first.stderr
+    ckpt = tmp_path / "eq" / "stopped" / "ckpt"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000004"]  # --keep-last-checkpoints 1
-    resumed = equivalence(tmp_path, *DATA, RESUME="1", **knobs)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert resumed.stdout.count(": resumes from step 4") == 2
-    unbroken = equivalence(tmp_path / "unbroken", *DATA, **knobs)
-    assert unbroken.returncode == 0, unbroken.stdout[-3000:] + unbroken.stderr[-3000:]
-    for name in ("stock-local", "litespark-local"):
-        def curve(root):
-            return [(r["step"], r["loss"]) for r in records(root / "eq" / name / "metrics.jsonl", "train")]
-        assert curve(tmp_path) == curve(tmp_path / "unbroken") and len(curve(tmp_path)) == 6, name
-    # A finished run is kept, not trained again.
-    again = equivalence(tmp_path, *DATA, RESUME="1", **knobs)
-    assert again.returncode == 0 and again.stdout.count(": kept (RESUME=1") == 2, again.stdout[-3000:]
+    second = equivalence(tmp_path, *DATA, **knobs)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "unbroken: kept (RESUME=1" in second.stdout and "stopped: resumes from step 4" in second.stdout
+
+    def curve(name):
+        return [(r["step"], r["loss"]) for r in records(tmp_path / "eq" / name / "metrics.jsonl", "train")]
+
+    assert curve("stopped") == curve("unbroken") and len(curve("unbroken")) == 6
 
 
 @pytest.mark.parametrize("knobs, message", [
