@@ -102,7 +102,7 @@ for i in "${!names[@]}"; do
   dir="$OUT_DIR/${names[$i]}"
   dirs+=("$dir")
   if [ "$KEEP_DONE" = 1 ] && [ -f "$dir/metrics.jsonl" ] && "$PY" -c "import json, sys; sys.exit(0 if any(
-      r.get('kind') == 'train' and r.get('step') == $STEPS for r in map(json.loads, open(sys.argv[1]))) else 1)" \
+      r.get('kind') == 'train' and r.get('step') == $((10#$STEPS)) for r in map(json.loads, open(sys.argv[1]))) else 1)" \
       "$dir/metrics.jsonl"; then
     echo "[$((i + 1))/${#names[@]}] ${names[$i]}: kept ($([ "$RESUME" = 1 ] && echo RESUME || echo KEEP_DONE)=1, $dir logged step $STEPS)"
   else
@@ -175,7 +175,7 @@ done
 for i in "${!names[@]}"; do
   last=$("$PY" -c "import json, sys; print(max([r['step'] for r in map(json.loads, open(sys.argv[1]))
       if r.get('kind') == 'train'] or [0]))" "${dirs[$i]}/metrics.jsonl" 2>/dev/null || echo 0)
-  [ "$last" = "$STEPS" ] || die "run '${names[$i]}' stopped at step $last of $STEPS (log: $OUT_DIR/${names[$i]}.log);\
+  [ "$last" -eq "$((10#$STEPS))" ] || die "run '${names[$i]}' stopped at step $last of $STEPS (log: $OUT_DIR/${names[$i]}.log);\
  with RESUME=1 the next call goes on from its last checkpoint"
 done
 
