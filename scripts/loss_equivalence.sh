@@ -75,6 +75,12 @@ KEEP_DONE="${KEEP_DONE:-0}"
 [ "$START_STEP" -lt "$STEPS" ] || die "START_STEP=$START_STEP must be below STEPS=$STEPS"
 [ "$WARMUP" -lt "$STEPS" ] || die "WARMUP=$WARMUP must be below STEPS=$STEPS"
 
+# The last training step a run's directory logged (0: none).
+last_step() {
+  "$PY" -c "import json, sys; print(max([r['step'] for r in map(json.loads, open(sys.argv[1]))
+      if r.get('kind') == 'train'] or [0]))" "$1/metrics.jsonl" 2>/dev/null || echo 0
+}
+
 names=()
 flags=()
 IFS=';' read -r -a entries <<<"$RUNS"
@@ -101,9 +107,7 @@ todo=()
 for i in "${!names[@]}"; do
   dir="$OUT_DIR/${names[$i]}"
   dirs+=("$dir")
-  if [ "$KEEP_DONE" = 1 ] && [ -f "$dir/metrics.jsonl" ] && "$PY" -c "import json, sys; sys.exit(0 if any(
-      r.get('kind') == 'train' and r.get('step') == $((10#$STEPS)) for r in map(json.loads, open(sys.argv[1]))) else 1)" \
-      "$dir/metrics.jsonl"; then
+  if [ "$KEEP_DONE" = 1 ] && [ "$(last_step "$dir")" -eq "$((10#$STEPS))" ]; then
     echo "[$((i + 1))/${#names[@]}] ${names[$i]}: kept ($([ "$RESUME" = 1 ] && echo RESUME || echo KEEP_DONE)=1, $dir logged step $STEPS)"
   else
     todo+=("$i")
@@ -173,8 +177,7 @@ done
 # A run that exited before STEPS (--exit-interval, --exit-duration-in-mins, a signal megatron.training saved on)
 # did not fail, but its curve is short: no verdict on part of a curve.
 for i in "${!names[@]}"; do
-  last=$("$PY" -c "import json, sys; print(max([r['step'] for r in map(json.loads, open(sys.argv[1]))
-      if r.get('kind') == 'train'] or [0]))" "${dirs[$i]}/metrics.jsonl" 2>/dev/null || echo 0)
+  last=$(last_step "${dirs[$i]}")
   [ "$last" -eq "$((10#$STEPS))" ] || die "run '${names[$i]}' stopped at step $last of $STEPS (log: $OUT_DIR/${names[$i]}.log);\
  with RESUME=1 the next call goes on from its last checkpoint"
 done

@@ -269,12 +269,11 @@ def test_on_a_gpu_shapes_the_fp8_gemms_cannot_take_are_refused(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30,
+                    reason="the Triton kernels run on CUDA, here on a GPU of 24 GiB or more (the tensors take ~9 GiB)")
 def test_the_column_major_layout_of_a_tensor_past_two_to_the_31_bytes_lands_where_it_belongs():
     """16,448 x 131,136 (a micro-batch's logits and then some): the column-major offsets of the last columns pass
     2^31, which 32-bit index arithmetic would wrap; the far corner of both layouts holds the reference's bytes."""
-    if torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30:
-        pytest.skip("needs about 10 GB of GPU memory")
     rows, columns = 16384 + 64, 131072 + 64
     x = torch.empty(rows, columns, device="cuda", dtype=torch.bfloat16).normal_(generator=torch.Generator(
         device="cuda").manual_seed(0))

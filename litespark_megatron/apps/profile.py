@@ -181,7 +181,7 @@ def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
     busy = sorted(gpu, key=lambda e: (e["ts"], e["dur"]))
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    idle_us, found, spans = 0.0, [], []  # found: (gap us, the launch ending it or None, the kernel before it)
+    idle_us, found = 0.0, []  # found: (gap start, gap end, the launch ending it or None, the kernel before it)
     for step in steps:
         start, end = step["ts"], step["ts"] + step["dur"]
         covered_to, before = start, "(step start)"
@@ -194,23 +194,22 @@ def gpu_idle(events, steps, gpu, top: int = 12) -> dict:
             if b > covered_to:
                 idle_us += b - covered_to
                 if b - covered_to > GAP_US:
-                    found.append((b - covered_to, launches.get(evt.get("args", {}).get("correlation")), before))
-                    spans.append((covered_to, b))
+                    found.append((covered_to, b, launches.get(evt.get("args", {}).get("correlation")), before))
             if e > covered_to:
                 covered_to, before = e, evt["name"]
         idle_us += max(end - covered_to, 0.0)
     host_ops = _innermost_ops([e for e in events if e.get("cat") in ("cpu_op", "user_annotation")
                                and not str(e.get("name", "")).startswith("ProfilerStep#")],
-                              [launch for _, launch, _ in found if launch is not None])
+                              [launch for _, _, launch, _ in found if launch is not None])
     gaps: Dict[tuple, list] = {}
-    for us, launch, before in found:
+    for b, e, launch, before in found:
         key = (host_ops.get(id(launch), "(no operator)") if launch is not None else "(no launch found)", before)
         total = gaps.setdefault(key, [0.0, 0])
-        total[0] += us
+        total[0] += e - b
         total[1] += 1
     n = len(steps)
     ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
-    waits = sorted(_host_calls_in(spans, events).items(), key=lambda kv: -kv[1])[:top]
+    waits = sorted(_host_calls_in([(b, e) for b, e, _, _ in found], events).items(), key=lambda kv: -kv[1])[:top]
     return dict(ms_per_step=idle_us / 1e3 / n, gap_us=GAP_US,
                 gaps=[dict(host_op=op, after_kernel=prev, ms_per_step=us / 1e3 / n, count_per_step=count / n)
                       for (op, prev), (us, count) in ranked],

@@ -18,8 +18,9 @@ else it is the weight's gradient. Tensor parallelism is megatron-core's: the inp
 sequence parallelism) into the column-parallel layer by its own mappings, whose backward reduces dh.
 
 The reference path defines the function in plain torch (`quantize_reference`, `gradient_fp8_reference`, and the
-GEMMs as dequantized fp32 matmuls); the tests hold the Triton kernels and FP8 GEMMs to it. FP8 logits change the model's numerics where the stock layers keep
-BF16, so the flag is opt-in: a loss-equivalence run decides, not this file.
+GEMMs as dequantized fp32 matmuls); the tests hold the Triton kernels and FP8 GEMMs to it. FP8 logits change the
+model's numerics where the stock layers keep BF16, so the flag is opt-in: a loss-equivalence run decides, not this
+file.
 """
 from __future__ import annotations
 
