@@ -50,10 +50,10 @@ GIB = 2 ** 30
 # fp32 copy, in which megatron-core computes the softmax and then the gradient in place; native (megatron-core's
 # fused loss, torch-compiled): its fp32 softmax, the fp32 gradient computed from it and that gradient in bf16; te
 # (Transformer Engine's, which megatron-core 0.19.2 refuses): fitted to its rows; litespark (--litespark-cross-entropy):
-# the bf16 logits only, its gradient written over them; litespark-fp8 (--litespark-fp8-output-layer): the bf16 logits
-# and, while it is written, their FP8 gradient in both layouts (1 byte each). All agree with the measured differences
-# between rows.
-LOSS_BYTES_PER_LOGIT = {"unfused": 6, "native": 10, "te": 4, "litespark": 2, "litespark-fp8": 4}
+# the bf16 logits only, its gradient written over them; litespark-fp8 (--litespark-fp8-output-layer): the bf16 logits,
+# their FP8 gradient written over them in both layouts (1 byte each). All agree with the measured differences between
+# rows.
+LOSS_BYTES_PER_LOGIT = {"unfused": 6, "native": 10, "te": 4, "litespark": 2, "litespark-fp8": 2}
 FP8_COPY_BYTES = 2  # TE's FP8 weight cache: the weight and its transpose, one byte each
 OVERHEAD_GIB = 1.0  # fitted: the median residual of the one-GPU rows (workspaces, RoPE tables, small buffers)
 # fitted, BF16 and FP8 apart: shares that separate the CUDA-graph layouts that ran from those that ran out of memory
@@ -224,7 +224,7 @@ def estimate(setup: MemorySetup) -> MemoryEstimate:
 
 def _loss_bytes(implementation: str, e: int) -> int:
     if e == 4:  # fp32 logits: no fp32 copy to make; the softmax and its gradient are computed in them
-        return 4 if implementation in ("unfused", "litespark") else 6 if implementation == "litespark-fp8" else 8
+        return 4 if implementation in ("unfused", "litespark", "litespark-fp8") else 8
     return LOSS_BYTES_PER_LOGIT[implementation]
 
 

@@ -9,9 +9,11 @@ fused in, a micro-batch's tokens h [T, H] and this rank's vocabulary shard W [V,
               logits [T, V] = h W^T as one FP8 GEMM, bf16 out; the loss from them (the cross-entropy kernel's row
               statistics, combined over the TP group); kept: the logits, one logsumexp per row, the column-major
               FP8 h and W.
-    backward  one pass over the logits writes the loss's gradient (softmax - onehot) * dloss in FP8 e5m2, both
-              layouts; dh = dlogits W and dW = dlogits^T h as FP8 GEMMs. Its scale needs no pass of its own:
-              |softmax - onehot| <= 1, so max |dloss| bounds the gradient's amax.
+    backward  one pass over the logits writes the loss's gradient (softmax - onehot) * dloss in FP8 e5m2 over the
+              logits' own memory, row-major, and a transpose copies it into the column-major layout beside it (the
+              backward holds no more than the logits, as the BF16 cross-entropy does); dh = dlogits W and
+              dW = dlogits^T h as FP8 GEMMs. Its scale needs no pass of its own: |softmax - onehot| <= 1, so max
+              |dloss| bounds the gradient's amax.
 
 dW goes into the weight's main_grad (megatron-core's gradient-accumulation fusion) where the output layer fuses it,
 else it is the weight's gradient. Tensor parallelism is megatron-core's: the input is copied (or all-gathered under
@@ -34,6 +36,7 @@ FORWARD = torch.float8_e4m3fn  # the logits' inputs: h and W
 BACKWARD = torch.float8_e5m2  # the logits' gradient (Transformer Engine's hybrid format)
 # _scaled_mm (cuBLASLt's FP8 GEMM) takes dimensions that are multiples of 16.
 ALIGNMENT = 16
+DW_ROWS = 16384  # vocabulary rows per slice of the weight-gradient GEMM (a multiple of ALIGNMENT)
 
 fp8_logits_path = kernel_path  # what the FP8 output layer runs on a device of this type
 
@@ -93,34 +96,62 @@ def _row_statistics_reference(logits, target, vocab_start: int, tp_group):
 
 
 # --------------------------------------------------------------------------------------------- the Triton path
-def _launch_both(kernel, inputs, rows: int, columns: int, scale, dtype, *extra):
-    from . import fp8_logits_triton as kernels
-    from .fp8_bytes_triton import FORMATS
-
-    like = inputs[0]
-    row = torch.empty(rows, columns, device=like.device, dtype=torch.uint8)
-    col = torch.empty(columns, rows, device=like.device, dtype=torch.uint8)
-    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
-    kernel[kernels.grid(rows, columns)](*inputs, row, col, scale, *extra, rows, columns, torch.finfo(dtype).max,
-                                        mantissa, bias, BLOCK_ROWS=kernels.TILE[0], BLOCK_COLUMNS=kernels.TILE[1],
-                                        num_warps=kernels.TILE[2])
-    return row.view(dtype), col.view(dtype)
-
-
 def quantize_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     """quantize_reference's function through the Triton kernel."""
     from . import fp8_logits_triton as kernels
+    from .fp8_bytes_triton import FORMATS
 
     x = x.detach().contiguous()
-    return _launch_both(kernels.fp8_cast_both_layouts, (x,), x.size(0), x.size(1), scale, dtype)
+    rows, columns = x.shape
+    row = torch.empty(rows, columns, device=x.device, dtype=torch.uint8)
+    col = torch.empty(columns, rows, device=x.device, dtype=torch.uint8)
+    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
+    kernels.fp8_cast_both_layouts[kernels.grid(rows, columns)](
+        x, row, col, scale, rows, columns, torch.finfo(dtype).max, mantissa, bias, BLOCK_ROWS=kernels.TILE[0],
+        BLOCK_COLUMNS=kernels.TILE[1], num_warps=kernels.TILE[2])
+    return row.view(dtype), col.view(dtype)
 
 
-def gradient_fp8_triton(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
-    """gradient_fp8_reference's function through the Triton kernel."""
+# The gradient goes over the logits it is computed from: its row-major bytes fill the first rows x n bytes of the
+# logits' memory, the column-major copy the next. Row i's bytes land on the logits of rows i / 2 to (i + 1) / 2 (2
+# bytes a logit, or more), so a launch over rows [start, end) with end <= 2 start overwrites only rows that earlier
+# launches have read: launches over doubling row ranges, the first FIRST_ROWS rows through a scratch buffer.
+FIRST_ROWS = 64
+
+
+def gradient_fp8_over_logits(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
+    """gradient_fp8_reference's bytes (both layouts) through the Triton kernels, written over the logits' memory:
+    the logits' values are gone after it, and the two layouts keep that memory alive."""
     from . import fp8_logits_triton as kernels
+    from .fp8_bytes_triton import FORMATS
 
-    return _launch_both(kernels.cross_entropy_gradient_fp8, (logits, target, lse, grad), logits.size(0),
-                        logits.size(1), scale, dtype, vocab_start)
+    rows, columns = logits.shape
+    if not logits.is_contiguous() or logits.element_size() < 2:
+        raise ValueError(f"FP8 output layer: the logits' gradient goes over contiguous logits of 2 bytes or more, "
+                         f"got {logits.dtype} of strides {logits.stride()}")
+    memory = logits.view(-1).view(torch.uint8)
+    row = memory[:rows * columns].view(rows, columns)
+    col = memory[rows * columns:2 * rows * columns].view(columns, rows)
+    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
+
+    def launch(start: int, end: int, out: torch.Tensor):
+        kernels.cross_entropy_gradient_fp8[kernels.grid(end - start, columns)](
+            logits[start:end], target[start:end], lse[start:end], grad[start:end], out, scale, vocab_start,
+            end - start, columns, torch.finfo(dtype).max, mantissa, bias, BLOCK_ROWS=kernels.TILE[0],
+            BLOCK_COLUMNS=kernels.TILE[1], num_warps=kernels.TILE[2])
+
+    first = min(rows, FIRST_ROWS)
+    scratch = torch.empty(first, columns, device=logits.device, dtype=torch.uint8)
+    launch(0, first, scratch)
+    start = first
+    while start < rows:
+        end = min(rows, 2 * start)
+        launch(start, end, row[start:end])
+        start = end
+    row[:first].copy_(scratch)
+    kernels.fp8_transpose[kernels.grid(rows, columns)](row, col, rows, columns, BLOCK_ROWS=kernels.TILE[0],
+                                                       BLOCK_COLUMNS=kernels.TILE[1], num_warps=kernels.TILE[2])
+    return row.view(dtype), col.view(dtype)
 
 
 def _mm_fp8(a, b, scale_a, scale_b, out_dtype):
@@ -133,7 +164,7 @@ class _Ops:
 
     def __init__(self, triton: bool, cuda: bool):
         self.quantize = quantize_triton if triton else quantize_reference
-        self.gradient = gradient_fp8_triton if triton else gradient_fp8_reference
+        self.gradient = gradient_fp8_over_logits if triton else gradient_fp8_reference
         self.statistics = row_statistics if triton else _row_statistics_reference
         # (the Triton kernels under Triton's interpreter run on a CPU, where no FP8 GEMM does)
         self.mm = _mm_fp8 if cuda else _mm_reference
@@ -165,17 +196,22 @@ class _FP8LogitsLoss(torch.autograd.Function):
         # max |dloss| bounds the gradient's amax (see the module docstring)
         scale = current_scale(torch.linalg.vector_norm(grad, ord=float("inf")), BACKWARD)
         d_row, d_col = ops.gradient(ctx.logits, ctx.target, ctx.lse, grad, scale, ctx.vocab_start)
-        ctx.logits = None  # 2 bytes per logit, gone before the GEMMs
+        ctx.logits = None  # the reference's logits go here; the kernels' memory is now the gradient's
         d_inv = 1.0 / scale
         grad_h = ops.mm(d_row, ctx.w_col.t(), d_inv, ctx.w_inv, ctx.h_dtype)
         grad_weight = None
         if weight.requires_grad:
-            grad_w = ops.mm(d_col, ctx.h_col.t(), d_inv, ctx.h_inv, torch.float32)
+            # in slices of the vocabulary: the fp32 product of the whole shard would take 4 bytes per weight element
+            # at the backward's peak (1.5 GiB for Llama 3's vocabulary at hidden 3,072), a slice's a fraction of it
+            grad_weight = None if ctx.main_grad_fusion else torch.empty_like(weight)
+            for v in range(0, weight.size(0), DW_ROWS):
+                part = ops.mm(d_col[v:v + DW_ROWS], ctx.h_col.t(), d_inv, ctx.h_inv, torch.float32)
+                if ctx.main_grad_fusion:
+                    weight.main_grad[v:v + DW_ROWS].add_(part)
+                else:
+                    grad_weight[v:v + DW_ROWS] = part
             if ctx.main_grad_fusion:
-                weight.main_grad.add_(grad_w)
                 grad_weight = _main_grad_added(weight)
-            else:
-                grad_weight = grad_w.to(weight.dtype)
         ctx.h_col = ctx.w_col = None
         return grad_h, grad_weight, None, None, None, None, None
 
