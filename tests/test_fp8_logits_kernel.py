@@ -30,6 +30,7 @@ def test_triton_kernels_write_the_references_bytes_in_both_layouts(worker):
     assert worker["kernel_elements"] > 50_000, worker
     assert worker["kernel_mismatched"] <= worker["kernel_elements"] * 1e-4 and worker["kernel_max_step"] <= 1, worker
     assert worker["layouts_agree"], worker
+    assert worker["over_logits"], worker  # the gradient takes no memory beyond the logits'
 
 
 def test_the_triton_path_computes_the_references_loss_and_gradients(worker):

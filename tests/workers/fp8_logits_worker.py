@@ -6,6 +6,7 @@ one JSON line:
     kernel_mismatched / kernel_elements / kernel_max_step   FP8 bytes of the Triton kernels that differ from the
                                          reference's (cast and gradient, both layouts), over all cases
     layouts_agree                        the column-major bytes are the row-major ones transposed
+    over_logits                          both layouts of the loss's gradient live in the logits' memory
     triton_vs_reference_loss / _grad_h / _grad_w   the whole function, Triton kernels against the reference
     tp2_vs_tp1_loss / _grad_h / _grad_w  TP2 against TP1 (relative to the largest value)
     padded_loss                          padded columns (-inf) against the same logits without them
@@ -53,7 +54,9 @@ def kernels(out):
             grad[::3] = 0.0
             scale = fl.current_scale(grad.abs().amax(), fl.BACKWARD)
             want = fl.gradient_fp8_reference(logits, target, lse, grad, scale, vocab_start)
-            got = fl.gradient_fp8_over_logits(logits.clone(), target, lse, grad, scale, vocab_start)
+            over = logits.clone()
+            got = fl.gradient_fp8_over_logits(over, target, lse, grad, scale, vocab_start)
+            out["over_logits"] &= all(t.untyped_storage().data_ptr() == over.untyped_storage().data_ptr() for t in got)
             for a, b in zip(got, want):
                 compare(out, a, b)
             out["layouts_agree"] &= torch.equal(got[1].view(torch.uint8), got[0].view(torch.uint8).t())
@@ -92,7 +95,7 @@ def main():
         plain = run(False, h, weight[:cut], target % cut, None, grad_loss=grad_loss)
         out["padded_loss"] = rel(padded[0], plain[0])
         out["padded_grad_w_zero"] = padded[2][cut:].abs().max().item()
-        out.update(kernel_mismatched=0, kernel_elements=0, kernel_max_step=0, layouts_agree=True)
+        out.update(kernel_mismatched=0, kernel_elements=0, kernel_max_step=0, layouts_agree=True, over_logits=True)
         kernels(out)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
