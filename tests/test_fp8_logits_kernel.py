@@ -25,8 +25,8 @@ def worker(tmp_path_factory):
 def test_triton_kernels_write_the_references_bytes_in_both_layouts(worker):
     """The cast and the loss-gradient kernels, odd shapes, fp32 and bf16 in, targets in and out of the shard, padded
     columns, masked tokens, the gradient written over the logits in launches of doubling row ranges: every byte the
-    reference's (integer conversion, exact under the interpreter; the fp32
-    exponentials may differ in their last bit: one FP8 step, once in 10^4 at most)."""
+    reference's (integer conversion, exact under the interpreter; the fp32 exponentials may differ in their last
+    bit: one FP8 step, once in 10^4 at most)."""
     assert worker["kernel_elements"] > 50_000, worker
     assert worker["kernel_mismatched"] <= worker["kernel_elements"] * 1e-4 and worker["kernel_max_step"] <= 1, worker
     assert worker["layouts_agree"], worker
@@ -114,9 +114,9 @@ def test_main_grad_fusion_adds_dw_into_main_grad_as_megatron_cores_linear_does()
     assert torch.autograd.grad(loss, fused, grad_loss, allow_unused=True) == (None,)
 
 
-def test_the_weight_gradient_in_vocabulary_slices_is_the_whole_ones(monkeypatch):
+def test_the_weight_gradient_in_vocabulary_slices_equals_the_whole_product(monkeypatch):
     """dW is computed in slices of the vocabulary (its fp32 product never whole): slices of 16 rows, the last one
-    short, give the gradient of one slice, into main_grad and as the weight's gradient."""
+    short, give what one product over the whole vocabulary gives, into main_grad and as the weight's gradient."""
     h, w, target, grad_loss = _case(vocab=40)
 
     def grads():
@@ -316,5 +316,6 @@ def test_the_column_major_layout_of_a_tensor_past_two_to_the_31_bytes_lands_wher
     row, col = fl.gradient_fp8_over_logits(x, target, lse, grad, gscale, 0)
     for (r, c), want in zip(corners, wants):
         a, b = row[r, c].view(torch.uint8), want.view(torch.uint8)
+        # 4,096 values a corner: at most 4 one FP8 step apart (the exponentials' last bit, as above)
         assert (a != b).float().mean().item() <= 1e-3 and ((a.int() - b.int()).abs() <= 1).all()
         assert torch.equal(col[c, r].view(torch.uint8), a.t())

@@ -196,7 +196,7 @@ class _FP8LogitsLoss(torch.autograd.Function):
         # max |dloss| bounds the gradient's amax (see the module docstring)
         scale = current_scale(torch.linalg.vector_norm(grad, ord=float("inf")), BACKWARD)
         d_row, d_col = ops.gradient(ctx.logits, ctx.target, ctx.lse, grad, scale, ctx.vocab_start)
-        ctx.logits = None  # the reference's logits go here; the kernels' memory is now the gradient's
+        ctx.logits = None  # the reference path frees its logits here; the kernels' logits memory holds the gradient
         d_inv = 1.0 / scale
         grad_h = ops.mm(d_row, ctx.w_col.t(), d_inv, ctx.w_inv, ctx.h_dtype)
         grad_weight = None
