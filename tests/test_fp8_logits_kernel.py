@@ -134,6 +134,17 @@ def test_the_weight_gradient_in_vocabulary_slices_equals_the_whole_product(monke
     assert torch.allclose(sliced[0].float(), whole[0].float(), rtol=2 ** -8, atol=0)
 
 
+def test_the_gradient_goes_only_over_logits_whose_memory_holds_it():
+    """Written over the logits' memory, the gradient needs them contiguous and of 2 bytes or more a value (both FP8
+    layouts in their bytes): anything else is refused before a kernel runs."""
+    args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.ones(1), 0)
+    with pytest.raises(ValueError, match=r"^FP8 output layer: the logits' gradient goes over contiguous logits of 2 "
+                                         r"bytes or more, got torch.bfloat16 of strides \(1, 4\)$"):
+        fl.gradient_fp8_over_logits(torch.zeros(8, 4, dtype=torch.bfloat16).t(), *args)
+    with pytest.raises(ValueError, match=r"got torch.uint8 of strides \(8, 1\)$"):
+        fl.gradient_fp8_over_logits(torch.zeros(4, 8, dtype=torch.uint8), *args)
+
+
 def test_shapes_it_does_not_take_are_refused(monkeypatch):
     h, w, target, _ = _case()
     with pytest.raises(ValueError, match=r"^FP8 output layer: tokens \(33, 32\), weight \(48, 31\), target \(33,\); "

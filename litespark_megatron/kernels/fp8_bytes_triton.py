@@ -1,12 +1,19 @@
 """FP8 bytes written from fp32 registers, shared by Litespark's FP8 kernels (swiglu_fp8_triton.py,
 fp8_logits_triton.py): the byte of a scaled value by integer arithmetic, and a tile stored in both layouts at once,
 row-major (a GEMM's input) and column-major (the weight-gradient GEMM's), transposed in on-chip memory. Device
-functions only (inlined into the kernels that call them); imported only where Triton runs."""
+functions (inlined into the kernels that call them) and the format arguments their launches pass; imported only where
+Triton runs."""
+import torch
 import triton
 import triton.language as tl
 
 # The FP8 formats as (mantissa bits, exponent bias): e4m3 (the forward's) and e5m2 (the backward's, TE's hybrid).
 FORMATS = {"e4m3": (3, 7), "e5m2": (2, 15)}
+
+
+def format_arguments(dtype) -> tuple:
+    """(FP8_MAX, MANTISSA, BIAS), the kernels' compile-time description of a torch FP8 dtype."""
+    return (torch.finfo(dtype).max, *FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"])
 
 
 @triton.jit

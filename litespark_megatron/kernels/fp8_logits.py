@@ -99,16 +99,14 @@ def _row_statistics_reference(logits, target, vocab_start: int, tp_group):
 def quantize_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     """quantize_reference's function through the Triton kernel."""
     from . import fp8_logits_triton as kernels
-    from .fp8_bytes_triton import FORMATS
+    from .fp8_bytes_triton import format_arguments
 
     x = x.detach().contiguous()
     rows, columns = x.shape
     row = torch.empty(rows, columns, device=x.device, dtype=torch.uint8)
     col = torch.empty(columns, rows, device=x.device, dtype=torch.uint8)
-    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
-    kernels.fp8_cast_both_layouts[kernels.grid(rows, columns)](
-        x, row, col, scale, rows, columns, torch.finfo(dtype).max, mantissa, bias, BLOCK_ROWS=kernels.TILE[0],
-        BLOCK_COLUMNS=kernels.TILE[1], num_warps=kernels.TILE[2])
+    kernels.fp8_cast_both_layouts[kernels.grid(rows, columns)](x, row, col, scale, rows, columns,
+                                                               *format_arguments(dtype), **kernels.TILE_ARGUMENTS)
     return row.view(dtype), col.view(dtype)
 
 
@@ -122,23 +120,21 @@ FIRST_ROWS = 64
 def gradient_fp8_over_logits(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
     """gradient_fp8_reference's bytes (both layouts) through the Triton kernels, written over the logits' memory:
     the logits' values are gone after it, and the two layouts keep that memory alive."""
-    from . import fp8_logits_triton as kernels
-    from .fp8_bytes_triton import FORMATS
-
-    rows, columns = logits.shape
     if not logits.is_contiguous() or logits.element_size() < 2:
         raise ValueError(f"FP8 output layer: the logits' gradient goes over contiguous logits of 2 bytes or more, "
                          f"got {logits.dtype} of strides {logits.stride()}")
+    from . import fp8_logits_triton as kernels
+    from .fp8_bytes_triton import format_arguments
+
+    rows, columns = logits.shape
     memory = logits.view(-1).view(torch.uint8)
     row = memory[:rows * columns].view(rows, columns)
     col = memory[rows * columns:2 * rows * columns].view(columns, rows)
-    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
 
     def launch(start: int, end: int, out: torch.Tensor):
         kernels.cross_entropy_gradient_fp8[kernels.grid(end - start, columns)](
             logits[start:end], target[start:end], lse[start:end], grad[start:end], out, scale, vocab_start,
-            end - start, columns, torch.finfo(dtype).max, mantissa, bias, BLOCK_ROWS=kernels.TILE[0],
-            BLOCK_COLUMNS=kernels.TILE[1], num_warps=kernels.TILE[2])
+            end - start, columns, *format_arguments(dtype), **kernels.TILE_ARGUMENTS)
 
     first = min(rows, FIRST_ROWS)
     scratch = torch.empty(first, columns, device=logits.device, dtype=torch.uint8)
@@ -149,8 +145,7 @@ def gradient_fp8_over_logits(logits, target, lse, grad, scale, vocab_start: int,
         launch(start, end, row[start:end])
         start = end
     row[:first].copy_(scratch)
-    kernels.fp8_transpose[kernels.grid(rows, columns)](row, col, rows, columns, BLOCK_ROWS=kernels.TILE[0],
-                                                       BLOCK_COLUMNS=kernels.TILE[1], num_warps=kernels.TILE[2])
+    kernels.fp8_transpose[kernels.grid(rows, columns)](row, col, rows, columns, **kernels.TILE_ARGUMENTS)
     return row.view(dtype), col.view(dtype)
 
 

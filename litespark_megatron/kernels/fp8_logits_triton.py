@@ -11,6 +11,7 @@ from .fp8_bytes_triton import _fp8_codes, _store_both
 # (rows, columns, warps) of a program's tile: the FP8 SwiGLU backward's (swiglu_fp8_triton.py), the same loads and
 # two-layout stores.
 TILE = (32, 128, 8)
+TILE_ARGUMENTS = dict(BLOCK_ROWS=TILE[0], BLOCK_COLUMNS=TILE[1], num_warps=TILE[2])  # a launch's keywords
 
 
 def grid(rows: int, columns: int):

@@ -71,16 +71,15 @@ def _launch(kernel, tile, inputs, rows: int, channels: int, width: int, scale, a
     """Run one of the kernels on [rows, 2 * channels] inputs in tiles of (rows, channels, warps); its FP8 outputs
     are [rows, width] and [width, rows]."""
     from . import swiglu_fp8_triton as kernels
-    from .fp8_bytes_triton import FORMATS
+    from .fp8_bytes_triton import format_arguments
 
     like = inputs[-1]
     row = torch.empty(rows, width, device=like.device, dtype=torch.uint8)
     col = torch.empty(width, rows, device=like.device, dtype=torch.uint8)
     scale_inv = torch.empty(1, device=like.device, dtype=torch.float32)
-    mantissa, bias = FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
     kernel[kernels.grid(rows, channels, tile)](
-        *(t.contiguous() for t in inputs), row, col, scale, amax, scale_inv, rows, channels, torch.finfo(dtype).max,
-        mantissa, bias, BLOCK_ROWS=tile[0], BLOCK_CHANNELS=tile[1], num_warps=tile[2])
+        *(t.contiguous() for t in inputs), row, col, scale, amax, scale_inv, rows, channels,
+        *format_arguments(dtype), BLOCK_ROWS=tile[0], BLOCK_CHANNELS=tile[1], num_warps=tile[2])
     return row.view(dtype), col.view(dtype), scale_inv
 
 
