@@ -18,6 +18,7 @@ megatron-core's input mapping and weight, Litespark's GEMMs).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -58,8 +59,37 @@ def fp8_output_loss(output_layer, hidden_states, weight, labels):
     first = (group.rank() if tp > 1 else 0) * weight.size(0)
     padded_from = None if vocab is None or vocab - first >= weight.size(0) else max(vocab - first, 0)
     loss = fp8_logits_loss(h.reshape(s * b, hidden), weight, labels.t().reshape(-1), group if tp > 1 else None,
-                           padded_from, main_grad_fusion=bool(output_layer.gradient_accumulation_fusion))
+                           padded_from, main_grad_fusion=bool(output_layer.gradient_accumulation_fusion),
+                           seed=_rounding_seeds.next())
     return loss.view(s, b).t().contiguous()
+
+
+class _RoundingSeeds:
+    """The seeds of the FP8 loss gradient's stochastic rounding (kernels/fp8_logits.py), one per micro-batch: a
+    function of the run's --seed, the iteration and the micro-batch's place in the global batch (the k-th micro-batch
+    of data-parallel rank r is the global batch's k x DP + r-th, megatron.training's sampler's order), and the
+    context-parallel rank (its ranks hold other tokens of the same sample in the same rows). So every TP, SP, PP and
+    DP layout rounds a token's gradient alike, and a resumed run draws what the unbroken one drew; no state of a
+    random generator is used (layouts consume those differently)."""
+
+    def __init__(self):
+        self.iteration, self.count = None, 0
+
+    def next(self) -> int:
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+
+        args = get_args()
+        if args.curr_iteration != self.iteration:
+            self.iteration, self.count = args.curr_iteration, 0
+        dp = parallel_state.get_data_parallel_world_size()
+        place = self.count * dp + parallel_state.get_data_parallel_rank()
+        self.count += 1
+        key = f"{args.seed}:{self.iteration}:{place}:{parallel_state.get_context_parallel_rank()}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
+
+
+_rounding_seeds = _RoundingSeeds()
 
 
 def chunked_output_loss(chunks: Optional[int], litespark_cross_entropy: bool = False,

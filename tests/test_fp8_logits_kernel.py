@@ -94,6 +94,42 @@ def test_the_reference_is_the_cross_entropy_of_fp8_quantized_logits_and_its_grad
         assert (got.double() - want).norm() <= 0.15 * want.norm(), (got.double() - want).norm() / want.norm()
 
 
+def test_the_gradient_rounded_stochastically_keeps_its_mean_where_rounding_to_nearest_drifts():
+    """A softmax row of about one size (an untrained model's: every probability near 1 / vocabulary), scaled as the
+    gradient is: rounded to nearest, every value moves the same way (here 2% down, the whole row's sum with it);
+    rounded stochastically, each value goes to one of its two FP8 neighbours and their mean over seeds is the value
+    (the spread of 64 seeds' mean: a step / 16). Normal and subnormal FP8 values both."""
+    torch.manual_seed(0)
+    scale = torch.tensor([1.0])
+    for size in (0.447, 2.0 ** -15 * 1.3):  # e5m2: between 0.4375 and 0.5; between subnormals 2^-16 and 2^-15
+        x = size * (1 + 0.01 * torch.rand(8, 512))
+        nearest = fl.quantize_reference(x, scale, fl.BACKWARD)[0].double()
+        assert abs(nearest.sum() / x.double().sum() - 1) > 0.015
+        low = fl.quantize_reference(x, scale, fl.BACKWARD, torch.zeros(x.shape, dtype=torch.int64))[0].double()
+        high = low.float().to(fl.BACKWARD).view(torch.uint8) + 1
+        mean = torch.zeros_like(nearest)
+        for seed in range(64):
+            random = fl.random_bits_reference(torch.arange(8), torch.arange(512), seed)
+            q = fl.quantize_reference(x, scale, fl.BACKWARD, random)[0]
+            assert ((q.view(torch.uint8) == low.float().to(fl.BACKWARD).view(torch.uint8)) |
+                    (q.view(torch.uint8) == high)).all()
+            mean += q.double() / 64
+        assert abs(mean.sum() / x.double().sum() - 1) < 2e-3, mean.sum() / x.double().sum()
+
+
+def test_the_random_bits_are_the_elements_own_under_every_split():
+    """The bits of an element depend on its row, its column in the whole vocabulary and the seed only: a TP shard
+    (columns from its vocab_start) draws the whole tensor's bits for its columns; another seed draws others; each bit
+    is one half of the time."""
+    rows, columns, seed = torch.arange(5, 45), torch.arange(300), 11
+    whole = fl.random_bits_reference(rows, columns, seed)
+    assert torch.equal(fl.random_bits_reference(rows[3:9], columns[100:200], seed), whole[3:9, 100:200])
+    assert (fl.random_bits_reference(rows, columns, 12) != whole).float().mean() > 0.99
+    assert whole.min() >= 0 and whole.max() < 2 ** 32
+    for bit in (0, 11, 21, 31):
+        assert abs(((whole >> bit) & 1).double().mean().item() - 0.5) < 0.02
+
+
 def test_main_grad_fusion_adds_dw_into_main_grad_as_megatron_cores_linear_does():
     """With gradient-accumulation fusion dW is added (in fp32) to the weight's main_grad, the parameter is marked
     grad_added_to_main_grad, and the gradient autograd gets is a dummy of the weight's shape (megatron-core's DDP
@@ -178,15 +214,16 @@ def test_compiled_kernels_and_fp8_gemms_equal_the_reference_on_the_gpu():
     logits = (h.float() @ w.float().t()).to(torch.bfloat16)
     lse = torch.logsumexp(logits.float(), dim=-1)
     gscale = fl.current_scale(grad_loss.abs().amax(), fl.BACKWARD)
-    want = fl.gradient_fp8_reference(logits, target, lse, grad_loss, gscale, 0)
-    got = fl.gradient_fp8_over_logits(logits.clone(), target, lse, grad_loss, gscale, 0)
-    for a, b in zip(got, want):
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert (a != b).float().mean().item() <= 1e-4 and ((a.int() - b.int()).abs() <= 1).all()
+    for seed in (None, 7):  # rounded to nearest, stochastically
+        want = fl.gradient_fp8_reference(logits, target, lse, grad_loss, gscale, 0, seed=seed)
+        got = fl.gradient_fp8_over_logits(logits.clone(), target, lse, grad_loss, gscale, 0, seed=seed)
+        for a, b in zip(got, want):
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert (a != b).float().mean().item() <= 1e-4 and ((a.int() - b.int()).abs() <= 1).all()
 
     def run(triton):
         hv, wv = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = fl._FP8LogitsLoss.apply(hv, wv, target, None, None, False, triton)
+        loss = fl._FP8LogitsLoss.apply(hv, wv, target, None, None, False, triton, 7)
         return (loss, *torch.autograd.grad(loss, (hv, wv), grad_loss))
 
     fast, ref = run(True), run(False)

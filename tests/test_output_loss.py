@@ -35,3 +35,46 @@ def test_chunks_that_cannot_split_the_sequence_are_refused(flags, message, monke
     with pytest.raises(ConfigError) as e:
         check(TINY + flags, GPU_TE)
     assert str(e.value) == message
+
+
+def _rounding_seeds(monkeypatch, dp=1, rank=0, iteration=5, seed=1234, cp_rank=0):
+    """output_loss._RoundingSeeds on data-parallel rank `rank` of `dp` (context-parallel rank cp_rank) at an
+    iteration of a run of --seed `seed`; and the run's arguments (to move its iteration)."""
+    from types import SimpleNamespace
+
+    import megatron.training
+    from megatron.core import parallel_state
+    from litespark_megatron import output_loss
+
+    args = SimpleNamespace(seed=seed, curr_iteration=iteration)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: dp)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: rank)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: cp_rank)
+    return output_loss._RoundingSeeds(), args
+
+
+def test_the_fp8_output_layers_rounding_seeds_follow_the_global_batch_not_the_layout(monkeypatch):
+    """One seed per micro-batch: data-parallel rank r's k-th micro-batch of an iteration draws what one process's
+    k x DP + r-th draws (the sampler's order); another --seed, iteration or context-parallel rank draws another;
+    31 bits (the kernel's)."""
+    def seeds(micro_batches, **where):
+        state, _ = _rounding_seeds(monkeypatch, **where)
+        return [state.next() for _ in range(micro_batches)]
+
+    one = seeds(8)
+    assert len(set(one)) == 8 and all(0 <= s < 2 ** 31 for s in one)
+    assert seeds(4, dp=2, rank=0) == one[0::2] and seeds(4, dp=2, rank=1) == one[1::2]
+    assert seeds(2, dp=4, rank=3) == one[3::4]
+    assert not set(one) & set(seeds(8, iteration=6) + seeds(8, seed=1) + seeds(8, cp_rank=1))
+
+
+def test_the_rounding_seeds_count_from_0_at_every_iteration(monkeypatch):
+    """A resumed run (or one whose previous iteration ran other micro-batches: an evaluation) draws at an
+    iteration what the unbroken one drew."""
+    state, args = _rounding_seeds(monkeypatch)
+    first = [state.next() for _ in range(3)]
+    args.curr_iteration = 6
+    state.next()
+    args.curr_iteration = 5
+    assert [state.next() for _ in range(3)] == first

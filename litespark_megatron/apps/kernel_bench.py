@@ -215,13 +215,15 @@ def bench_swiglu_fp8(ffn: int, tokens: int) -> List[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- FP8 output layer
-def _logits_litespark(target, h, w):
+def _logits_litespark(target, h, w, seed=12345):
+    """Litespark's FP8 output layer, its loss gradient rounded stochastically as in training (output_loss.py draws
+    a seed per micro-batch); seed None: rounded to nearest."""
     from litespark_megatron.kernels import fp8_logits as fl
     if fl.fp8_logits_path("cuda") != "litespark":
         raise Unavailable("Triton does not import here")
     if torch.cuda.get_device_capability() < (8, 9):
         raise Unavailable("FP8 GEMMs need compute capability 8.9 or more")
-    return (lambda: (fl.fp8_logits_loss(h, w, target),)), (h, w)
+    return (lambda: (fl.fp8_logits_loss(h, w, target, seed=seed),)), (h, w)
 
 
 def _logits_bf16(target, h, w):
@@ -234,6 +236,7 @@ def _logits_bf16(target, h, w):
 
 
 FP8_LOGITS = (("litespark fp8 (GEMMs and loss gradient in FP8)", _logits_litespark),
+              ("litespark fp8, gradient rounded to nearest", lambda *a: _logits_litespark(*a, seed=None)),
               ("bf16 GEMMs + litespark cross-entropy", _logits_bf16))
 
 

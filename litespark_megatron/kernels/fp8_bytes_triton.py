@@ -24,22 +24,59 @@ def _fp8_codes(y, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl
     Not Triton's `.to(tl.float8e4nv)`: compiled by Triton 3.6 for an H200 it wrote wrong bytes into a part of the
     tile (a quarter to a half of them, which part depending on the shapes), and its interpreter rounds without
     carrying into the exponent. Integer arithmetic is exact on both."""
+    return _fp8_codes_rounded(y, scale, 0, FP8_MAX, MANTISSA, BIAS, False)
+
+
+@triton.jit
+def _fp8_codes_stochastic(y, scale, random, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """_fp8_codes rounded stochastically: up to the next FP8 value with probability the fraction of a step that
+    rounding down drops (at fp32's resolution), decided by the uint32 `random` (_random_bits) of each element. The
+    mean of the rounded values is the value itself, where rounding to nearest moves every value between two FP8
+    numbers the same way: the loss's gradient is mostly softmax values of about one size, and rounded to nearest
+    their sum drifts by up to half a step (an eighth of the value in e5m2) in one direction."""
+    return _fp8_codes_rounded(y, scale, random, FP8_MAX, MANTISSA, BIAS, True)
+
+
+@triton.jit
+def _fp8_codes_rounded(y, scale, random, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                       STOCHASTIC: tl.constexpr):
     scaled = y * scale
     v = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
     bits = v.to(tl.uint32, bitcast=True)
     magnitude = bits & 0x7FFFFFFF
     shift: tl.constexpr = 23 - MANTISSA
-    # A normal FP8 number: the fp32 mantissa rounded to MANTISSA bits (half an FP8 step minus one, plus the kept
-    # last bit: ties to even; a carry moves into the exponent), then the exponent rebiased.
-    normal = ((magnitude + ((1 << (shift - 1)) - 1) + ((magnitude >> shift) & 1)) >> shift) - \
-        ((127 - BIAS) << MANTISSA)
-    # Below the smallest normal one, 2^(1 - BIAS): a count of the smallest subnormal, 2^(1 - BIAS - MANTISSA),
-    # rounded to nearest even by the fp32 addition of 1.5 * 2^23.
     steps = tl.abs(v) * (2.0 ** (BIAS - 1 + MANTISSA))
-    subnormal = ((steps + 12582912.0) - 12582912.0).to(tl.uint32)
+    if STOCHASTIC:
+        # Below one FP8 step of random bits added to the fp32 mantissa, then truncated: a carry (into the exponent
+        # too) with probability the dropped fraction. The largest finite value has no dropped bits: no carry past
+        # it. Below the smallest normal number, 2^(1 - BIAS): the count of the smallest subnormal, floor(count + u).
+        normal = ((magnitude + (random >> (32 - shift))) >> shift) - ((127 - BIAS) << MANTISSA)
+        u = (random >> 8).to(tl.float32) * (2.0 ** -24)
+        subnormal = tl.floor(steps + u).to(tl.uint32)
+    else:
+        # A normal FP8 number: the fp32 mantissa rounded to MANTISSA bits (half an FP8 step minus one, plus the
+        # kept last bit: ties to even; a carry moves into the exponent), then the exponent rebiased.
+        normal = ((magnitude + ((1 << (shift - 1)) - 1) + ((magnitude >> shift) & 1)) >> shift) - \
+            ((127 - BIAS) << MANTISSA)
+        # Below the smallest normal one: a count of the smallest subnormal, 2^(1 - BIAS - MANTISSA), rounded to
+        # nearest even by the fp32 addition of 1.5 * 2^23.
+        subnormal = ((steps + 12582912.0) - 12582912.0).to(tl.uint32)
     code = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
     code = tl.where(scaled != scaled, 0x7F, code)  # NaN stays NaN (compiled, the clamp would saturate it)
     return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def _random_bits(row, column, seed):
+    """32 random bits of element (row, column) under a seed: murmur3's finalizer of the three mixed. A function of
+    the element's place in the whole tensor, not of a program or a shard: every layout and split of the tensor
+    draws the same bits for an element (fp8_logits.random_bits_reference computes them in torch)."""
+    h = (column.to(tl.uint32) * 0x9E3779B1) ^ (row.to(tl.uint32) * 0x85EBCA77 + seed)
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
 
 
 @triton.jit

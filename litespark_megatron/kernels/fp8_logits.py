@@ -9,11 +9,12 @@ fused in, a micro-batch's tokens h [T, H] and this rank's vocabulary shard W [V,
               logits [T, V] = h W^T as one FP8 GEMM, bf16 out; the loss from them (the cross-entropy kernel's row
               statistics, combined over the TP group); kept: the logits, one logsumexp per row, the column-major
               FP8 h and W.
-    backward  one pass over the logits writes the loss's gradient (softmax - onehot) * dloss in FP8 e5m2 over the
-              logits' own memory, row-major, and a transpose copies it into the column-major layout beside it (the
-              backward holds no more than the logits, as the BF16 cross-entropy does); dh = dlogits W and
-              dW = dlogits^T h as FP8 GEMMs. Its scale needs no pass of its own: |softmax - onehot| <= 1, so max
-              |dloss| bounds the gradient's amax.
+    backward  one pass over the logits writes the loss's gradient (softmax - onehot) * dloss in FP8 e5m2,
+              rounded stochastically (most of a row is softmax values of about one size, which rounding to
+              nearest would move all one way), over the logits' own memory, row-major, and a transpose copies it
+              into the column-major layout beside it (the backward holds no more than the logits, as the BF16
+              cross-entropy does); dh = dlogits W and dW = dlogits^T h as FP8 GEMMs. Its scale needs no pass of
+              its own: |softmax - onehot| <= 1, so max |dloss| bounds the gradient's amax.
 
 dW goes into the weight's main_grad (megatron-core's gradient-accumulation fusion) where the output layer fuses it,
 else it is the weight's gradient. Tensor parallelism is megatron-core's: the input is copied (or all-gathered under
@@ -58,20 +59,53 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, group=None) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- the reference
-def quantize_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """x [rows, n] times scale in FP8, saturated, rounded to nearest even: (row-major [rows, n], column-major)."""
-    q = (x.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+def quantize_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, random: torch.Tensor = None):
+    """x [rows, n] times scale in FP8, saturated: (row-major [rows, n], column-major). Rounded to nearest even, or
+    with `random` (uint32 values in int64, x's shape: random_bits_reference) stochastically: up with probability the
+    fraction of an FP8 step that rounding down drops (fp8_bytes_triton._fp8_codes_stochastic, the same arithmetic)."""
+    v = (x.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    q = v.to(dtype) if random is None else _stochastic(v, random, dtype)
     return q, q.t().contiguous()
 
 
-def gradient_fp8_reference(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
-    """(softmax(logits) - onehot(target)) * grad in FP8 at `scale`, both layouts; softmax = exp(logits - lse)."""
+def _stochastic(v: torch.Tensor, random: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mantissa, bias = (3, 7) if dtype == torch.float8_e4m3fn else (2, 15)
+    shift = 23 - mantissa
+    bits = v.view(torch.int32).long() & 0xFFFFFFFF
+    magnitude = bits & 0x7FFFFFFF
+    normal = ((magnitude + (random >> (32 - shift))) >> shift) - ((127 - bias) << mantissa)
+    u = (random >> 8).float() * 2.0 ** -24
+    subnormal = torch.floor(v.abs() * 2.0 ** (bias - 1 + mantissa) + u).long()
+    code = torch.where(magnitude < ((128 - bias) << 23), subnormal, normal)
+    code = torch.where(v != v, 0x7F, code) | ((bits >> 24) & 0x80)
+    return code.to(torch.uint8).view(dtype)
+
+
+def random_bits_reference(rows: torch.Tensor, columns: torch.Tensor, seed: int) -> torch.Tensor:
+    """fp8_bytes_triton._random_bits of every (row, column) pair ([rows] x [columns] -> [rows, columns]) under a
+    seed (0 to 2^31 - 1), as uint32 values in int64."""
+    m = 0xFFFFFFFF
+    h = ((columns.long()[None, :] * 0x9E3779B1) & m) ^ ((rows.long()[:, None] * 0x85EBCA77 + seed) & m)
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & m
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
+def gradient_fp8_reference(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD,
+                           seed: int = None):
+    """(softmax(logits) - onehot(target)) * grad in FP8 at `scale`, both layouts; softmax = exp(logits - lse).
+    Rounded to nearest even, or stochastically with a seed: element (row, column) takes the random bits of row and
+    vocab_start + column (its place in the whole vocabulary, so that every TP split rounds alike)."""
     x = logits.float()
     local = target - vocab_start
     onehot = torch.zeros_like(x)
     here = (local >= 0) & (local < x.size(-1))
     onehot[here.nonzero().squeeze(-1), local[here]] = 1.0
-    return quantize_reference((torch.exp(x - lse[:, None]) - onehot) * grad[:, None], scale, dtype)
+    random = None if seed is None else random_bits_reference(
+        torch.arange(x.size(0), device=x.device), vocab_start + torch.arange(x.size(1), device=x.device), seed)
+    return quantize_reference((torch.exp(x - lse[:, None]) - onehot) * grad[:, None], scale, dtype, random)
 
 
 def _mm_reference(a, b, scale_a, scale_b, out_dtype):
@@ -117,7 +151,8 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
 FIRST_ROWS = 64
 
 
-def gradient_fp8_over_logits(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD):
+def gradient_fp8_over_logits(logits, target, lse, grad, scale, vocab_start: int, dtype: torch.dtype = BACKWARD,
+                             seed: int = None):
     """gradient_fp8_reference's bytes (both layouts) through the Triton kernels, written over the logits' memory:
     the logits' values are gone after it, and the two layouts keep that memory alive."""
     if not logits.is_contiguous() or logits.element_size() < 2:
@@ -131,10 +166,12 @@ def gradient_fp8_over_logits(logits, target, lse, grad, scale, vocab_start: int,
     row = memory[:rows * columns].view(rows, columns)
     col = memory[rows * columns:2 * rows * columns].view(columns, rows)
 
+    stochastic = seed is not None
+
     def launch(start: int, end: int, out: torch.Tensor):
         kernels.cross_entropy_gradient_fp8[kernels.grid(end - start, columns)](
-            logits[start:end], target[start:end], lse[start:end], grad[start:end], out, scale, vocab_start,
-            end - start, columns, *format_arguments(dtype), **kernels.TILE_ARGUMENTS)
+            logits[start:end], target[start:end], lse[start:end], grad[start:end], out, scale, seed or 0, start,
+            vocab_start, end - start, columns, *format_arguments(dtype), stochastic, **kernels.TILE_ARGUMENTS)
 
     first = min(rows, FIRST_ROWS)
     scratch = torch.empty(first, columns, device=logits.device, dtype=torch.uint8)
@@ -167,7 +204,7 @@ class _Ops:
 
 class _FP8LogitsLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, tp_group, padded_from, main_grad_fusion, triton):
+    def forward(ctx, h, weight, target, tp_group, padded_from, main_grad_fusion, triton, seed=None):
         ops = _Ops(triton, h.is_cuda)
         vocab_start = _tp(tp_group)[0] * weight.size(0)
         h_scale, w_scale = amax_scale(h, FORWARD), amax_scale(weight, FORWARD, tp_group)
@@ -180,8 +217,8 @@ class _FP8LogitsLoss(torch.autograd.Function):
         # Kept as attributes, not saved tensors: the backward frees the logits as soon as their gradient is written.
         ctx.logits, ctx.target, ctx.lse, ctx.h_col, ctx.h_inv, ctx.w_col, ctx.w_inv = \
             logits, target, lse, h_col, h_inv, w_col, w_inv
-        ctx.weight, ctx.vocab_start, ctx.main_grad_fusion, ctx.ops, ctx.h_dtype = \
-            weight, vocab_start, main_grad_fusion, ops, h.dtype
+        ctx.weight, ctx.vocab_start, ctx.main_grad_fusion, ctx.ops, ctx.h_dtype, ctx.seed = \
+            weight, vocab_start, main_grad_fusion, ops, h.dtype, seed
         return lse - target_logit
 
     @staticmethod
@@ -190,7 +227,7 @@ class _FP8LogitsLoss(torch.autograd.Function):
         grad = grad_loss.float().contiguous()
         # max |dloss| bounds the gradient's amax (see the module docstring)
         scale = current_scale(torch.linalg.vector_norm(grad, ord=float("inf")), BACKWARD)
-        d_row, d_col = ops.gradient(ctx.logits, ctx.target, ctx.lse, grad, scale, ctx.vocab_start)
+        d_row, d_col = ops.gradient(ctx.logits, ctx.target, ctx.lse, grad, scale, ctx.vocab_start, seed=ctx.seed)
         ctx.logits = None  # the reference path frees its logits here; the kernels' logits memory holds the gradient
         d_inv = 1.0 / scale
         grad_h = ops.mm(d_row, ctx.w_col.t(), d_inv, ctx.w_inv, ctx.h_dtype)
@@ -208,7 +245,7 @@ class _FP8LogitsLoss(torch.autograd.Function):
             if ctx.main_grad_fusion:
                 grad_weight = _main_grad_added(weight)
         ctx.h_col = ctx.w_col = None
-        return grad_h, grad_weight, None, None, None, None, None
+        return grad_h, grad_weight, None, None, None, None, None, None
 
 
 def _main_grad_added(weight):
@@ -228,10 +265,12 @@ def _main_grad_added(weight):
 
 
 def fp8_logits_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
-                    padded_from=None, main_grad_fusion: bool = False) -> torch.Tensor:
+                    padded_from=None, main_grad_fusion: bool = False, seed: int = None) -> torch.Tensor:
     """Per-token loss [T] of tokens h [T, H] against this rank's vocabulary shard weight [V, H] and global target
     ids [T], the GEMMs in FP8. padded_from: the first local column of padding (its logits are -inf), or None.
-    main_grad_fusion: add dW into weight.main_grad (megatron-core's gradient-accumulation fusion)."""
+    main_grad_fusion: add dW into weight.main_grad (megatron-core's gradient-accumulation fusion). seed (0 to
+    2^31 - 1): the loss's gradient rounded stochastically under it (the same on every TP rank of the group, another
+    for each micro-batch); None: rounded to nearest even."""
     if h.dim() != 2 or weight.dim() != 2 or h.size(1) != weight.size(1) or target.shape != h.shape[:1]:
         raise ValueError(f"FP8 output layer: tokens {tuple(h.shape)}, weight {tuple(weight.shape)}, target "
                          f"{tuple(target.shape)}; it takes [T, H], [V, H] and [T]")
@@ -243,4 +282,4 @@ def fp8_logits_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
             raise ValueError(f"FP8 output layer: the {', '.join(short)} must be multiples of {ALIGNMENT} (FP8 GEMMs); "
                              f"got tokens {h.size(0)}, hidden {h.size(1)}, vocabulary shard {weight.size(0)}")
     return _FP8LogitsLoss.apply(h.contiguous(), weight, target.to(torch.int64).contiguous(), tp_group, padded_from,
-                                main_grad_fusion, triton)
+                                main_grad_fusion, triton, seed)

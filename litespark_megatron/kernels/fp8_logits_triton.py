@@ -6,7 +6,7 @@ Imported only where Triton runs (a CUDA device, or Triton's interpreter in the t
 import triton
 import triton.language as tl
 
-from .fp8_bytes_triton import _fp8_codes, _store_both
+from .fp8_bytes_triton import _fp8_codes, _fp8_codes_stochastic, _random_bits, _store_both
 
 # (rows, columns, warps) of a program's tile: the FP8 SwiGLU backward's (swiglu_fp8_triton.py), the same loads and
 # two-layout stores.
@@ -31,12 +31,16 @@ def fp8_cast_both_layouts(x_ptr, row_ptr, col_ptr, scale_ptr, rows, columns: tl.
     _store_both(x, tl.load(scale_ptr), FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, rows, columns, columns, 0)
 
 
-@triton.jit
-def cross_entropy_gradient_fp8(logits_ptr, target_ptr, lse_ptr, grad_ptr, row_ptr, scale_ptr, vocab_start, rows,
-                               columns: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
-                               BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
+# (the seed and the first row: no compiled variant for each value that Triton would otherwise specialize, 1 or
+# multiples of 16)
+@triton.jit(do_not_specialize=["seed", "first_row"])
+def cross_entropy_gradient_fp8(logits_ptr, target_ptr, lse_ptr, grad_ptr, row_ptr, scale_ptr, seed, first_row,
+                               vocab_start, rows, columns: tl.constexpr, FP8_MAX: tl.constexpr,
+                               MANTISSA: tl.constexpr, BIAS: tl.constexpr, STOCHASTIC: tl.constexpr,
+                               BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
     """The loss's gradient over this shard's logits, (softmax - onehot(target)) * the token's loss gradient, in
-    FP8, row-major: exp(logit - logsumexp) from the forward's logsumexp, so each tile is independent."""
+    FP8, row-major: exp(logit - logsumexp) from the forward's logsumexp, so each tile is independent. STOCHASTIC:
+    rounded stochastically, the random bits of element (first_row + row, vocab_start + column) under the seed."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     in_rows = r < rows
@@ -47,7 +51,11 @@ def cross_entropy_gradient_fp8(logits_ptr, target_ptr, lse_ptr, grad_ptr, row_pt
     target = tl.load(target_ptr + r, mask=in_rows, other=-1) - vocab_start
     onehot = (c[None, :] == target[:, None]).to(tl.float32)
     d = (tl.exp(x - lse[:, None]) - onehot) * g[:, None]
-    code = _fp8_codes(d, tl.load(scale_ptr), FP8_MAX, MANTISSA, BIAS)
+    if STOCHASTIC:
+        random = _random_bits(first_row + r[:, None], vocab_start + c[None, :], seed.to(tl.uint32))
+        code = _fp8_codes_stochastic(d, tl.load(scale_ptr), random, FP8_MAX, MANTISSA, BIAS)
+    else:
+        code = _fp8_codes(d, tl.load(scale_ptr), FP8_MAX, MANTISSA, BIAS)
     tl.store(row_ptr + r[:, None] * columns + c[None, :], code.to(tl.uint8), mask=mask)
 
 

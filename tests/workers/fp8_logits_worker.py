@@ -4,7 +4,8 @@ ranks: a TP group of 2 splits the vocabulary as megatron-core does, against one 
 one JSON line:
 
     kernel_mismatched / kernel_elements / kernel_max_step   FP8 bytes of the Triton kernels that differ from the
-                                         reference's (cast and gradient, both layouts), over all cases
+                                         reference's (cast and gradient, both layouts, the gradient rounded to
+                                         nearest and stochastically), over all cases
     layouts_agree                        the column-major bytes are the row-major ones transposed
     over_logits                          both layouts of the loss's gradient live in the logits' memory
     triton_vs_reference_loss / _grad_h / _grad_w   the whole function, Triton kernels against the reference
@@ -25,10 +26,13 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+SEED = 987654321  # the loss gradient's stochastic rounding, the same on both ranks (as a TP group's)
+
+
 def run(triton: bool, h, weight, target, group, padded_from=None, grad_loss=None):
     h = h.clone().requires_grad_()
     w = weight.clone().requires_grad_()
-    loss = fl._FP8LogitsLoss.apply(h, w, target, group, padded_from, False, triton)
+    loss = fl._FP8LogitsLoss.apply(h, w, target, group, padded_from, False, triton, SEED)
     grad_loss = torch.ones_like(loss) if grad_loss is None else grad_loss
     gh, gw = torch.autograd.grad(loss, (h, w), grad_loss)
     return loss.detach(), gh, gw
@@ -53,13 +57,15 @@ def kernels(out):
             grad = torch.randn(rows, generator=g) * 1e-3
             grad[::3] = 0.0
             scale = fl.current_scale(grad.abs().amax(), fl.BACKWARD)
-            want = fl.gradient_fp8_reference(logits, target, lse, grad, scale, vocab_start)
-            over = logits.clone()
-            got = fl.gradient_fp8_over_logits(over, target, lse, grad, scale, vocab_start)
-            out["over_logits"] &= all(t.untyped_storage().data_ptr() == over.untyped_storage().data_ptr() for t in got)
-            for a, b in zip(got, want):
-                compare(out, a, b)
-            out["layouts_agree"] &= torch.equal(got[1].view(torch.uint8), got[0].view(torch.uint8).t())
+            for seed in (None, SEED):  # rounded to nearest, stochastically
+                want = fl.gradient_fp8_reference(logits, target, lse, grad, scale, vocab_start, seed=seed)
+                over = logits.clone()
+                got = fl.gradient_fp8_over_logits(over, target, lse, grad, scale, vocab_start, seed=seed)
+                out["over_logits"] &= all(t.untyped_storage().data_ptr() == over.untyped_storage().data_ptr()
+                                          for t in got)
+                for a, b in zip(got, want):
+                    compare(out, a, b)
+                out["layouts_agree"] &= torch.equal(got[1].view(torch.uint8), got[0].view(torch.uint8).t())
 
 
 def compare(out, got, want):
