@@ -246,12 +246,12 @@ def main(argv=None) -> int:
 def prepare(argv):
     """Everything checked before any work (libraries, arguments, data), then the --save directory taken, then
     megatron.training's global state (get_args(), TensorBoard). Raises UserError with one line."""
+    platform.quiet_library_noise()
+    plat = platform.prepare_libraries()  # before anything imports megatron: its patches apply to what comes after
     from megatron.training.global_vars import set_global_variables
 
     from . import checkpoint_dir, corpus, data, sft_data, stdlib_sft
 
-    platform.quiet_library_noise()
-    plat = platform.prepare_libraries()
     args = arguments.parse_checked(argv, plat)
     corpus.prepare_embedded_corpus(args)
     stdlib_sft.prepare_embedded_sft(args)

@@ -70,6 +70,18 @@ def test_compile_shim_defers_megatrons_torch_compile(py):
     assert with_shim.stdout.split() == ["False", "_compile_on_first_call.<locals>.call"], with_shim.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims: on a GPU megatron.training needs none")
+def test_the_trainer_prepares_the_libraries_before_it_imports_megatron(py):
+    """The shim works only for megatron modules imported after it: the trainer's preparation (everything before
+    training) must leave TorchInductor unimported, or every trainer start pays for it again."""
+    flags = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size",
+             "4", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--eval-interval", "10"]
+    proc = py("-c", f"import sys; from litespark_megatron import pretrain; pretrain.prepare({flags!r})\n"
+                    "print('megatron.training' in sys.modules, 'torch._inductor' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["True", "False"], proc.stdout[-2000:]
+
+
 def test_compile_on_first_call_compiles_once_with_the_callers_options(monkeypatch):
     calls = []
     monkeypatch.setattr(platform, "_TORCH_COMPILE",

@@ -19,6 +19,7 @@ import megatron.core.models.gpt  # noqa: F401
 import megatron.training.training  # noqa: F401
 import megatron.training.initialize  # noqa: F401
 import megatron.training.checkpointing  # noqa: F401
+import megatron.core.tokenizers.text  # noqa: F401  (megatron.training builds a tokenizer: it imports transformers)
 
 
 def _write_atomically(path: str, text: str) -> None:

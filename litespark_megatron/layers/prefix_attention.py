@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 _ops = torch.ops.aten
 
@@ -39,6 +38,9 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     impl = prefix_causal_impl(q, k, v, dropout_p)
     if impl == "cudnn-split":
         return _CudnnPrefixCausal.apply(q, k, v, scale)
+    # (imported here: torch.nn.attention.bias imports TorchDynamo, a second of every process's start on 2 CPU cores)
+    from torch.nn.attention.bias import causal_lower_right
+
     sq, sk = q.size(2), k.size(2)
     # causal_lower_right reaches FlashAttention on CUDA (grouped KV heads included); elsewhere it would warn about
     # every fused kernel it cannot use and materialize the mask anyway.
