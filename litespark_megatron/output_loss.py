@@ -70,22 +70,26 @@ class _RoundingSeeds:
     of data-parallel rank r is the global batch's k x DP + r-th, megatron.training's sampler's order), and the
     context-parallel rank (its ranks hold other tokens of the same sample in the same rows). So every TP, SP, PP and
     DP layout rounds a token's gradient alike, and a resumed run draws what the unbroken one drew; no state of a
-    random generator is used (layouts consume those differently)."""
+    random generator is used (layouts consume those differently). The count starts again at each iteration and at
+    each run of it (megatron.training's rerun state machine re-runs an iteration to tell a faulty GPU from the data:
+    the re-run draws what the first run drew, as it does from the generators, whose states it restores)."""
 
     def __init__(self):
-        self.iteration, self.count = None, 0
+        self.run, self.count = None, 0
 
     def next(self) -> int:
         from megatron.core import parallel_state
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
         from megatron.training import get_args
 
         args = get_args()
-        if args.curr_iteration != self.iteration:
-            self.iteration, self.count = args.curr_iteration, 0
+        run = (args.curr_iteration, get_rerun_state_machine().state)
+        if run != self.run:
+            self.run, self.count = run, 0
         dp = parallel_state.get_data_parallel_world_size()
         place = self.count * dp + parallel_state.get_data_parallel_rank()
         self.count += 1
-        key = f"{args.seed}:{self.iteration}:{place}:{parallel_state.get_context_parallel_rank()}".encode()
+        key = f"{args.seed}:{args.curr_iteration}:{place}:{parallel_state.get_context_parallel_rank()}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
 
 

@@ -39,19 +39,21 @@ def test_chunks_that_cannot_split_the_sequence_are_refused(flags, message, monke
 
 def _rounding_seeds(monkeypatch, dp=1, rank=0, iteration=5, seed=1234, cp_rank=0):
     """output_loss._RoundingSeeds on data-parallel rank `rank` of `dp` (context-parallel rank cp_rank) at an
-    iteration of a run of --seed `seed`; and the run's arguments (to move its iteration)."""
+    iteration of a run of --seed `seed`; the run's arguments and its rerun state machine (to move them)."""
     from types import SimpleNamespace
 
     import megatron.training
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, rerun_state_machine
     from litespark_megatron import output_loss
 
     args = SimpleNamespace(seed=seed, curr_iteration=iteration)
+    machine = SimpleNamespace(state="initial run")
     monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(rerun_state_machine, "get_rerun_state_machine", lambda: machine)
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: dp)
     monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: rank)
     monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: cp_rank)
-    return output_loss._RoundingSeeds(), args
+    return output_loss._RoundingSeeds(), args, machine
 
 
 def test_the_fp8_output_layers_rounding_seeds_follow_the_global_batch_not_the_layout(monkeypatch):
@@ -59,7 +61,7 @@ def test_the_fp8_output_layers_rounding_seeds_follow_the_global_batch_not_the_la
     k x DP + r-th draws (the sampler's order); another --seed, iteration or context-parallel rank draws another;
     31 bits (the kernel's)."""
     def seeds(micro_batches, **where):
-        state, _ = _rounding_seeds(monkeypatch, **where)
+        state, _, _ = _rounding_seeds(monkeypatch, **where)
         return [state.next() for _ in range(micro_batches)]
 
     one = seeds(8)
@@ -69,12 +71,15 @@ def test_the_fp8_output_layers_rounding_seeds_follow_the_global_batch_not_the_la
     assert not set(one) & set(seeds(8, iteration=6) + seeds(8, seed=1) + seeds(8, cp_rank=1))
 
 
-def test_the_rounding_seeds_count_from_0_at_every_iteration(monkeypatch):
+def test_the_rounding_seeds_count_from_0_at_every_iteration_and_rerun(monkeypatch):
     """A resumed run (or one whose previous iteration ran other micro-batches: an evaluation) draws at an
-    iteration what the unbroken one drew."""
-    state, args = _rounding_seeds(monkeypatch)
+    iteration what the unbroken one drew; so does megatron.training's re-run of an iteration (its rerun state
+    machine's check of a NaN or a spike), as from the generators whose states it restores."""
+    state, args, machine = _rounding_seeds(monkeypatch)
     first = [state.next() for _ in range(3)]
-    args.curr_iteration = 6
+    machine.state = "rerunning in place"
+    assert [state.next() for _ in range(3)] == first
+    args.curr_iteration, machine.state = 6, "initial run"
     state.next()
     args.curr_iteration = 5
     assert [state.next() for _ in range(3)] == first
