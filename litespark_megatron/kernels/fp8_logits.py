@@ -69,6 +69,9 @@ def quantize_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 
 
 def _stochastic(v: torch.Tensor, random: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 bytes of saturated fp32 values v rounded stochastically by `random`, as integer arithmetic on their
+    bits (the kernel's, line for line)."""
+    # (mantissa bits, exponent bias): fp8_bytes_triton.FORMATS, which imports Triton
     mantissa, bias = (3, 7) if dtype == torch.float8_e4m3fn else (2, 15)
     shift = 23 - mantissa
     bits = v.view(torch.int32).long() & 0xFFFFFFFF
