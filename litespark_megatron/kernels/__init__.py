@@ -5,6 +5,17 @@ cross_entropy_...), which is also how the profile tool files it (apps/profile.py
 """
 import functools
 
+# The FP8 formats as (mantissa bits, exponent bias): e4m3 (the forward's) and e5m2 (the backward's, TE's hybrid). Here,
+# not beside the Triton kernels that use them: the plain-torch references need them where Triton does not import.
+FP8_FORMATS = {"e4m3": (3, 7), "e5m2": (2, 15)}
+
+
+def fp8_format(dtype) -> tuple:
+    """(mantissa bits, exponent bias) of a torch FP8 dtype."""
+    import torch
+
+    return FP8_FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"]
+
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:

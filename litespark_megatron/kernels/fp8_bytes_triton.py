@@ -7,13 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
-# The FP8 formats as (mantissa bits, exponent bias): e4m3 (the forward's) and e5m2 (the backward's, TE's hybrid).
-FORMATS = {"e4m3": (3, 7), "e5m2": (2, 15)}
+from . import fp8_format
 
 
 def format_arguments(dtype) -> tuple:
     """(FP8_MAX, MANTISSA, BIAS), the kernels' compile-time description of a torch FP8 dtype."""
-    return (torch.finfo(dtype).max, *FORMATS["e4m3" if dtype == torch.float8_e4m3fn else "e5m2"])
+    return (torch.finfo(dtype).max, *fp8_format(dtype))
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import kernel_path
+from . import fp8_format, kernel_path
 from .cross_entropy import _tp, row_statistics
 
 FORWARD = torch.float8_e4m3fn  # the logits' inputs: h and W
@@ -71,8 +71,7 @@ def quantize_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 def _stochastic(v: torch.Tensor, random: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The FP8 bytes of saturated fp32 values v rounded stochastically by `random`, as integer arithmetic on their
     bits (the kernel's, line for line)."""
-    # (mantissa bits, exponent bias): fp8_bytes_triton.FORMATS, which imports Triton
-    mantissa, bias = (3, 7) if dtype == torch.float8_e4m3fn else (2, 15)
+    mantissa, bias = fp8_format(dtype)
     shift = 23 - mantissa
     bits = v.view(torch.int32).long() & 0xFFFFFFFF
     magnitude = bits & 0x7FFFFFFF
