@@ -51,6 +51,8 @@ def model_config_from_args(args):
     model_config.pre_wrap_hooks.append(lambda chunks: _init_chunks(chunks, seed))
     vocab = _unpadded_vocab(args)
     model_config.pre_wrap_hooks.append(lambda chunks: mask_padded_vocab(chunks, vocab))
+    if getattr(args, "litespark_rmsnorm", False) and args.fp8 and args.transformer_impl == "transformer_engine":
+        model_config.pre_wrap_hooks.append(link_fp8_norms)
     if getattr(args, "peft", None):
         from . import peft
 
@@ -100,6 +102,21 @@ def _mask_logits(module, inputs, output, vocab: int, padded: int):
     if start < local:
         logits.narrow(-1, start, local - start).fill_(float("-inf"))
     return output
+
+
+def link_fp8_norms(chunks):
+    """Each Litespark layer's two pre-norms to the GEMM their output goes to, alone (the dense attention's QKV, the
+    Litespark MLP's fc1), so that under FP8 they write its FP8 input (layers/norm.py). Not linked: a norm read by
+    more than a linear (NSA's input norm), or followed by anything else (MLA, an MoE router)."""
+    from .layers import LitesparkMLP, LitesparkRMSNorm, LitesparkSelfAttention
+
+    for chunk in chunks:
+        for layer in getattr(getattr(chunk, "decoder", None), "layers", ()):
+            for norm, owner, linear in ((layer.input_layernorm, layer.self_attention, "linear_qkv"),
+                                        (layer.pre_mlp_layernorm, layer.mlp, "linear_fc1")):
+                if isinstance(norm, LitesparkRMSNorm) and type(owner) in (LitesparkSelfAttention, LitesparkMLP):
+                    norm.feeds(getattr(owner, linear))
+    return chunks
 
 
 def _init_chunks(chunks, seed: int):

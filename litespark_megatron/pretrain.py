@@ -171,6 +171,8 @@ def _probed_forward(run, model):
         from .kernels.rms_norm import rms_norm_path
 
         rms_norm = rms_norm_path(device_type)
+        if any(getattr(m, "fp8_ran", False) for m in model.modules()):
+            rms_norm += " fp8"  # the norms wrote their GEMMs' FP8 inputs (layers/norm.py)
     rope = None
     if args.litespark_rope:
         from .kernels.qkv_rope import qkv_rope_path

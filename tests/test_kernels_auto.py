@@ -1,6 +1,6 @@
 """The Litespark kernels' default: a kernel flag left out is on where the kernels were measured (a GPU with Triton,
---spec litespark on the te backend, BF16 or FP8, pretraining without CP; RMSNorm not under FP8, the FP8 SwiGLU
-under FP8 with delayed scaling only) and off everywhere else; a flag given either way is obeyed
+--spec litespark on the te backend, BF16 or FP8, pretraining without CP; RMSNorm not under FP8 unless asked for, the
+FP8 SwiGLU under FP8 with delayed scaling only) and off everywhere else; a flag given either way is obeyed
 (arguments.resolve_kernels_auto)."""
 import pytest
 
@@ -30,9 +30,10 @@ def test_the_measured_bf16_setting_runs_the_three_bf16_kernels(triton):
 
 
 def test_fp8_runs_the_loss_rope_and_fp8_swiglu_and_keeps_tes_norm(triton):
-    """Under FP8 TE's norm writes the next GEMM's FP8 input: the Litespark norm (refused there) stays off; the FP8
-    SwiGLU runs under delayed scaling (Megatron-LM's default recipe) and nowhere else, nor beside the op fuser."""
+    """Under FP8 TE's fused norm stays the default (the Litespark norm's FP8 path is asked for: not measured yet); the
+    FP8 SwiGLU runs under delayed scaling (Megatron-LM's default recipe) and nowhere else, nor beside the op fuser."""
     assert kernels(TE_BF16 + FP8) == (True, False, True, True)
+    assert kernels(TE_BF16 + FP8 + ["--litespark-rmsnorm"]) == (True, True, True, True)
     assert kernels(TE_BF16 + FP8 + ["--fp8-recipe", "tensorwise"]) == (True, False, True, False)
     assert kernels(TE_BF16 + FP8 + ["--use-transformer-engine-op-fuser"]) == (True, False, True, False)
     assert kernels(TE_BF16 + FP8 + ["--no-litespark-swiglu"]) == (True, False, True, False)
@@ -75,8 +76,8 @@ def test_a_kernel_that_cannot_run_or_is_turned_off_is_off_alone(triton, flags, e
 
 def test_a_kernel_asked_for_is_still_refused_where_it_cannot_run(triton):
     with pytest.raises(ConfigError) as e:
-        kernels(TE_BF16 + FP8 + ["--litespark-rmsnorm"])
-    assert str(e.value).startswith("--litespark-rmsnorm with --fp8-format on the te backend")
+        kernels(TE_BF16 + FP8 + ["--fp8-recipe", "tensorwise", "--litespark-rmsnorm"])
+    assert str(e.value).startswith("--litespark-rmsnorm with --fp8-format on the te backend writes delayed-scaling")
 
 
 def test_a_config_file_says_off_with_false_and_on_with_true(triton, tmp_path):

@@ -94,9 +94,6 @@ def test_the_flag_trains_as_the_default_norm_and_says_so(tmp_path):
 @pytest.mark.parametrize("flags, plat, message", [
     (["--spec", "stock-local"], None, "--litespark-rmsnorm builds the Litespark layer's norms; it needs --spec "
                                       "litespark"),
-    (["--spec", "litespark", "--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid"], GPU_TE,
-     "--litespark-rmsnorm with --fp8-format on the te backend: Transformer Engine's norm writes the next GEMM's FP8 "
-     "input itself, and Litespark's writes bf16 that TE would cast again; use it in BF16, or drop it"),
     (["--spec", "litespark", "--multi-latent-attention"], None,
      "--litespark-rmsnorm with --multi-latent-attention: MLA's latent norms stay inside Transformer Engine's up "
      "projections; drop one"),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import child_env, free_port, losses, ok, records, run_interpreted, train
 from test_arguments import GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
-from litespark_megatron.kernels import swiglu_fp8 as sf
+from litespark_megatron.kernels import swiglu_fp8 as sf, te_fp8
 
 # Largest counts over every case: bytes that differ from the reference's (and by how many FP8 steps), layouts that
 # are not each other's transpose, amax's relative error; the scales cover saturation and subnormal numbers.
@@ -98,10 +98,10 @@ def test_the_reference_quantizes_as_delayed_scaling_does():
 
 
 def test_formats_and_shapes_it_does_not_take_are_refused():
-    assert sf.fp8_format("DType.kFloat8E5M2") == torch.float8_e5m2
-    with pytest.raises(ValueError, match=r"^FP8 SwiGLU: no FP8 format kBFloat16; Transformer Engine's "
+    assert te_fp8.fp8_format("DType.kFloat8E5M2") == torch.float8_e5m2
+    with pytest.raises(ValueError, match=r"^no FP8 format kBFloat16; Transformer Engine's "
                                          r"\['kFloat8E4M3', 'kFloat8E5M2'\] only$"):
-        sf.fp8_format("DType.kBFloat16")
+        te_fp8.fp8_format("DType.kBFloat16")
     with pytest.raises(ValueError, match=r"^FP8 SwiGLU: input of shape \(2, 3, 8\); it takes \[rows, 2f\] laid out "
                                          r"\[gate \| up\]$"):
         sf.swiglu_to_fp8(torch.zeros(2, 3, 8), None, None)
@@ -217,7 +217,7 @@ def test_a_te_linear_handed_both_layouts_needs_only_the_column_major_one_after_i
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             if drop:
-                sf.drop_row_major(act)
+                te_fp8.drop_row_major(act)
             freed = before - torch.cuda.memory_allocated()
             del act
         out.backward(dy)

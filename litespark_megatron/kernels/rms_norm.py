@@ -58,19 +58,39 @@ class _TritonRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from . import rms_norm_triton as kernels
-
         x, w, rstd = ctx.saved_tensors
-        rows, columns = x.shape
-        per_program = ctx.rows_per_program or -(-rows // _programs(x.device))
-        programs = -(-rows // per_program)
-        dy = dy.reshape(rows, columns).contiguous()
-        dx = torch.empty_like(x)
-        partial = torch.empty(programs, columns, device=x.device, dtype=torch.float32)
-        kernels.rms_norm_backward[(programs,)](dy, x, w, rstd, dx, partial, rows, columns,
-                                               ROWS_PER_PROGRAM=per_program, BLOCK=ctx.block,
-                                               num_warps=kernels.warps(ctx.block))
-        return dx.view(ctx.shape), partial.sum(0).to(ctx.weight_dtype), None, None
+        dx, dw = rms_norm_backward_triton(dy.reshape(x.shape), x, w, rstd, ctx.rows_per_program, ctx.block)
+        return dx.view(ctx.shape), dw.to(ctx.weight_dtype), None, None
+
+
+def rms_norm_backward_triton(dy, x, w, rstd, rows_per_program: int = 0, block: int = 0):
+    """(dx in x's dtype, dw in fp32) of rows x [rows, columns] normalized with their rsqrt `rstd` and scaled by w, for
+    the output gradient dy: the Triton backward kernel, `rows_per_program` rows a program (0: spread over the
+    device), their partial weight gradients summed by torch."""
+    from . import rms_norm_triton as kernels
+
+    rows, columns = x.shape
+    block = block or kernels.block_size(columns)
+    per_program = rows_per_program or -(-rows // _programs(x.device))
+    programs = -(-rows // per_program)
+    dy = dy.contiguous()
+    dx = torch.empty_like(x)
+    partial = torch.empty(programs, columns, device=x.device, dtype=torch.float32)
+    kernels.rms_norm_backward[(programs,)](dy, x, w, rstd, dx, partial, rows, columns,
+                                           ROWS_PER_PROGRAM=per_program, BLOCK=block, num_warps=kernels.warps(block))
+    return dx, partial.sum(0)
+
+
+def rms_norm_backward_reference(dy, x, w, rstd):
+    """rms_norm_backward_triton's function in plain torch (fp32 at least): dx = rstd (g - xhat mean(g xhat)) with
+    g = dy w and xhat = x rstd, and dw = the sum over rows of dy times xhat rounded to x's dtype (as the forward
+    rounds it)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf, dyf, wf, r = x.to(dtype), dy.to(dtype), w.to(x.dtype).to(dtype), rstd.to(dtype)[:, None]
+    xhat = xf * r
+    g = dyf * wf
+    dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (dyf * xhat.to(x.dtype).to(dtype)).sum(0)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, rows_per_program: int = 0) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """The Triton kernels of Litespark's RMSNorm (rms_norm.py): one program per row in the forward (the row read once,
 statistics in fp32); in the backward one program per block of rows, each writing its rows' input gradient and its
-partial sum of the weight's gradient. Imported only where Triton runs (a CUDA device, or Triton's interpreter in the
-tests)."""
+partial sum of the weight's gradient. The FP8 forward (rms_norm_fp8.py) takes a block of rows per program and writes
+the next GEMM's FP8 input in both layouts. Imported only where Triton runs (a CUDA device, or Triton's interpreter in
+the tests)."""
 import triton
 import triton.language as tl
+
+from .fp8_bytes_triton import _store_both
 
 # The hidden size is a compile-time constant (one kernel per model); a row is read in one block of the next power of
 # two (presets: 2,048-8,192 columns).
@@ -60,3 +63,47 @@ def rms_norm_backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, ro
         tl.store(dx_ptr + row * columns + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * xhat.to(dx_ptr.dtype.element_ty).to(tl.float32)
     tl.store(dw_partial_ptr + program * columns + cols, dw, mask=in_row)
+
+
+# (rows, columns, warps) of an FP8 forward program's tile: the swiglu FP8 forward's (swiglu_fp8_triton.FORWARD_TILE),
+# whose stores are the same two layouts.
+FP8_TILE = (32, 256, 8)
+
+
+def fp8_grid(rows: int):
+    return (triton.cdiv(rows, FP8_TILE[0]),)
+
+
+@triton.jit
+def rms_norm_fp8_forward(x_ptr, w_ptr, row_ptr, col_ptr, rstd_ptr, scale_ptr, amax_ptr, scale_inv_ptr, eps, rows,
+                         columns: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
+    """The forward's function for rows [first, first + BLOCK_ROWS), written in FP8 both layouts (the next GEMM's input
+    and its weight gradient's): a first sweep over the rows' columns sums their squares, a second normalizes each tile
+    (rounded to x's dtype, as the BF16 forward rounds it), scales it by the weight in fp32 and stores its FP8 bytes
+    twice (fp8_bytes_triton._store_both). The second sweep reads the rows again, mostly from L2 (a program's rows
+    are 32 x 2 bytes x the hidden size). Each program maxes its |values| into the tensor's amax; the first writes the
+    reciprocal scale."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_rows = r < rows
+    squares = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    for start in range(0, columns, BLOCK_COLUMNS):
+        c = start + tl.arange(0, BLOCK_COLUMNS)
+        mask = in_rows[:, None] & (c < columns)[None, :]
+        x = tl.load(x_ptr + r[:, None] * columns + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, 1)
+    rstd = 1.0 / tl.sqrt(squares / columns + eps)
+    tl.store(rstd_ptr + r, rstd, mask=in_rows)
+    scale = tl.load(scale_ptr)
+    amax = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    for start in range(0, columns, BLOCK_COLUMNS):
+        c = start + tl.arange(0, BLOCK_COLUMNS)
+        mask = in_rows[:, None] & (c < columns)[None, :]
+        x = tl.load(x_ptr + r[:, None] * columns + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < columns, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+        amax = tl.maximum(amax, tl.max(tl.abs(y), 1))
+        _store_both(y, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, rows, columns, columns, 0)
+    tl.atomic_max(amax_ptr, tl.max(amax, 0))
+    if tl.program_id(0) == 0:
+        tl.store(scale_inv_ptr, 1.0 / scale)

@@ -26,31 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_path
-
-# Transformer Engine's FP8 formats by name (its DType enum), as torch dtypes.
-FP8_FORMATS = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
-
-
-def fp8_format(te_dtype) -> torch.dtype:
-    """The torch dtype of one of Transformer Engine's FP8 formats."""
-    name = getattr(te_dtype, "name", str(te_dtype)).rsplit(".", 1)[-1]
-    if name not in FP8_FORMATS:
-        raise ValueError(f"FP8 SwiGLU: no FP8 format {name}; Transformer Engine's {sorted(FP8_FORMATS)} only")
-    return FP8_FORMATS[name]
-
-
-def _quantized(y: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
-    """y [rows, n] fp32 in FP8 row-major and column-major; amax maxed with max |y|; the reciprocal scale."""
-    fp8_max = torch.finfo(dtype).max
-    amax.copy_(torch.maximum(amax, y.abs().max().reshape(amax.shape)))
-    q = (y * scale.float()).clamp(-fp8_max, fp8_max).to(dtype)
-    return q, q.t().contiguous(), (1.0 / scale.float()).reshape(1)
-
+from .te_fp8 import float8_tensor, fp8_format, is_quantized, quantized_reference
 
 def swiglu_fp8_reference(gate_up: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     """[rows, 2f] [gate | up] -> (silu(gate) * up in FP8 [rows, f], the same [f, rows], 1 / scale); amax updated."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return _quantized(F.silu(gate) * up, scale, amax, dtype)
+    return quantized_reference(F.silu(gate) * up, scale, amax, dtype)
 
 
 def dswiglu_reference(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -64,7 +45,7 @@ def dswiglu_reference(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 def dswiglu_fp8_reference(dy: torch.Tensor, gate_up: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
                           dtype: torch.dtype):
     """dswiglu_reference in FP8, [rows, 2f] and [2f, rows]; amax updated."""
-    return _quantized(dswiglu_reference(dy, gate_up).float(), scale, amax, dtype)
+    return quantized_reference(dswiglu_reference(dy, gate_up).float(), scale, amax, dtype)
 
 
 def _launch(kernel, tile, inputs, rows: int, channels: int, width: int, scale, amax, dtype):
@@ -104,23 +85,6 @@ def dswiglu_fp8_triton(dy, gate_up, scale, amax, dtype):
 swiglu_fp8_path = kernel_path  # what the MLP's FP8 SwiGLU runs on a device of this type
 
 
-def _float8_tensor(row, col, scale_inv, quantizer, nominal: torch.dtype):
-    """Transformer Engine's Float8Tensor of both layouts, as its own quantizer would have written it."""
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
-
-    return Float8Tensor(shape=row.shape, dtype=nominal, data=row.view(torch.uint8), fp8_scale_inv=scale_inv,
-                        fp8_dtype=quantizer.dtype, data_transpose=col.view(torch.uint8), quantizer=quantizer,
-                        requires_grad=False, device=row.device)
-
-
-def _is_quantized(t: torch.Tensor) -> bool:
-    """Whether t is one of Transformer Engine's quantized tensors (torch's own Tensor.dequantize copies a plain one to
-    fp32)."""
-    from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
-
-    return isinstance(t, QuantizedTensorStorage)
-
-
 class _SwiGLUToFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, forward_quantizer, backward_quantizer):
@@ -129,25 +93,18 @@ class _SwiGLUToFP8(torch.autograd.Function):
         row, col, scale_inv = fn(gate_up, forward_quantizer.scale, forward_quantizer.amax, dtype)
         ctx.save_for_backward(gate_up)
         ctx.backward_quantizer = backward_quantizer
-        return _float8_tensor(row, col, scale_inv, forward_quantizer, gate_up.dtype)
+        return float8_tensor(row, col, scale_inv, forward_quantizer, gate_up.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         (gate_up,) = ctx.saved_tensors
         quantizer = ctx.backward_quantizer
-        if _is_quantized(dy):  # fc2's input gradient is bf16 unless TE was asked to quantize it
+        if is_quantized(dy):  # fc2's input gradient is bf16 unless TE was asked to quantize it
             dy = dy.dequantize(dtype=gate_up.dtype)
         dtype = fp8_format(quantizer.dtype)
         fn = dswiglu_fp8_triton if swiglu_fp8_path(gate_up.device.type) == "litespark" else dswiglu_fp8_reference
         row, col, scale_inv = fn(dy, gate_up, quantizer.scale, quantizer.amax, dtype)
-        return _float8_tensor(row, col, scale_inv, quantizer, gate_up.dtype), None, None
-
-
-def drop_row_major(t) -> None:
-    """Free the row-major data of a Float8Tensor once its GEMM ran: what a TE linear saves of its input for the weight
-    gradient is the tensor object itself, whose column-major data is all that gradient reads (on Hopper; where TE
-    reads one layout both ways it keeps that one)."""
-    t.update_usage(rowwise_usage=False)
+        return float8_tensor(row, col, scale_inv, quantizer, gate_up.dtype), None, None
 
 
 def swiglu_to_fp8(gate_up: torch.Tensor, forward_quantizer, backward_quantizer) -> torch.Tensor:

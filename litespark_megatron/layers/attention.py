@@ -29,6 +29,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..kernels.qkv_rope import qkv_rope
+from ..kernels.te_fp8 import drop_row_major_if_quantized
 from .elementwise import rope
 from .prefix_attention import prefix_causal_attention
 
@@ -119,6 +120,9 @@ class LitesparkSelfAttention(SelfAttention):
             query, key, value = qkv_rope(mixed, q_freqs, k_freqs, heads_per_group)
         else:
             query, key, value = self._split_and_rotate(hidden_states, rotary_pos_emb, packed_seq_params)
+        # an FP8 norm's output (layers/norm.py): the QKV GEMM keeps it for its weight gradient, which reads only the
+        # column-major layout
+        drop_row_major_if_quantized(hidden_states)
         return self._attend(query, key, value, attention_mask, attention_bias, packed_seq_params)
 
     def _split_and_rotate(self, hidden_states, rotary_pos_emb, packed_seq_params):

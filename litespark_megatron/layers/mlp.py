@@ -22,7 +22,9 @@ import functools
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from ..kernels.swiglu_fp8 import drop_row_major, swiglu_fp8_path, swiglu_to_fp8
+from ..kernels.swiglu_fp8 import swiglu_fp8_path, swiglu_to_fp8
+from ..kernels.te_fp8 import (delayed_scaling_fp8, drop_row_major, drop_row_major_if_quantized, module_quantizer,
+                              rows_of)
 from . import elementwise
 
 
@@ -53,11 +55,16 @@ class LitesparkMLP(_LlamaMLP, MLP):
 
     def forward(self, hidden_states, **unused):
         # TransformerLayer also passes padding_mask=...; padding is handled by the loss mask, not here.
+        # (an FP8 norm's output, layers/norm.py: fc1 keeps it for its weight gradient, which reads only the
+        # column-major layout)
         if self.swiglu == "default":
             gate_up, _ = self.linear_fc1(hidden_states)
+            drop_row_major_if_quantized(hidden_states)
             return self.linear_fc2(elementwise.swiglu(gate_up))
         shape = hidden_states.shape
-        gate_up, _ = self.linear_fc1(hidden_states.reshape(-1, shape[-1]))
+        rows = rows_of(hidden_states)
+        gate_up, _ = self.linear_fc1(rows)
+        drop_row_major_if_quantized(rows)
         quantizers = fp8_swiglu_quantizers(self.linear_fc1, self.linear_fc2) if gate_up.is_cuda else None
         if quantizers:
             activation = swiglu_to_fp8(gate_up, *quantizers)
@@ -78,27 +85,15 @@ def fp8_swiglu_quantizers(fc1, fc2):
     (Transformer Engine's Float8Quantizer: a scale to read, an amax to max into), else None: BF16, a layer megatron
     keeps in BF16 (--first-last-layers-bf16), another recipe, the local backend. Called after fc1's forward, which
     set fc1's up; fc2's FP8 state is set up here as its own forward would (the call is idempotent)."""
-    if not (hasattr(fc1, "quantizers") and hasattr(fc2, "init_fp8_metadata")):
+    if not (hasattr(fc1, "quantizers") and hasattr(fc2, "init_fp8_metadata")) or not delayed_scaling_fp8():
         return None
-    try:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    except ImportError:  # TE before the module's rename
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
-
-    if not (FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.get_fp8_recipe().delayed()):
-        return None
     import transformer_engine_torch as tex
 
     fc2.init_fp8_metadata()
-    found = (_quantizer(fc2, "scaling_fwd", tex.FP8FwdTensors.GEMM1_INPUT),
-             _quantizer(fc1, "scaling_bwd", tex.FP8BwdTensors.GRAD_OUTPUT1))
+    found = (module_quantizer(fc2, "scaling_fwd", tex.FP8FwdTensors.GEMM1_INPUT),
+             module_quantizer(fc1, "scaling_bwd", tex.FP8BwdTensors.GRAD_OUTPUT1))
     return found if all(isinstance(q, Float8Quantizer) for q in found) else None
-
-
-def _quantizer(module, kind: str, index):
-    quantizers = module.quantizers.get(kind) or ()
-    return quantizers[int(index)] if int(index) < len(quantizers) else None
 
 
 @functools.lru_cache(maxsize=None)
