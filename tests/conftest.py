@@ -277,6 +277,19 @@ def train(nproc: int, *flags, timeout=300, env=None, launcher="fork") -> subproc
     return run(cmd, timeout=timeout, env=env)
 
 
+def forked(nproc: int, target, *args, module: bool = False, timeout=300, env=None) -> subprocess.CompletedProcess:
+    """`python TARGET ARGS` (a script; module=True: `python -m TARGET`), as torchrun's ranks for nproc > 1, forked
+    from the worker's zygote where the environment allows, as `train` does; else real processes."""
+    env = env or child_env(MASTER_PORT=free_port())
+    if zygote.can_run(env):
+        return zygote.launch(nproc, str(target), [str(a) for a in args], env, timeout, is_module=module)
+    target = ["-m", target] if module else [target]
+    if nproc == 1:
+        return run([sys.executable, *target, *args], timeout=timeout, env=env)
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--master-addr",
+                "127.0.0.1", "--master-port", free_port(), *target, *args], timeout=timeout, env=env)
+
+
 class Zygote:
     """tests/zygote.py, started once per test worker on first use: a process that imported torch and megatron-core
     and forks a run per request (a tiny training run's time is mostly those imports). It serves only runs whose
@@ -413,7 +426,7 @@ def parity_run(tmp_path, nproc: int, flags, env=None) -> dict:
             "run": records(metrics, "run")[0]}
 
 
-_SPAWNERS = (run, torchrun, train, parity_run)  # conftest's helpers that start processes (the rooms, above)
+_SPAWNERS = (run, torchrun, train, forked, parity_run)  # conftest's helpers that start processes (the rooms, above)
 
 
 @pytest.fixture

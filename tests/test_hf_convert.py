@@ -5,12 +5,11 @@ trained here is exported with the validation loss the trainer reported, one with
 logits; bad input is one line and writes nothing."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-from conftest import WORKER_DIR, free_port, made_once, ok, records, run, torchrun, train
+from conftest import WORKER_DIR, forked, free_port, made_once, ok, records, train
 
 VOCAB = 301  # TP pads it (to 384 at TP1, 512 at TP2): the padded rows must not change logits or loss
 SEQ = 32
@@ -69,7 +68,7 @@ def hf_tensors(path):
 
 
 def convert(*argv):
-    return run([sys.executable, "-m", "litespark_megatron.hf_convert", *argv, "--quiet"])
+    return forked(1, "litespark_megatron.hf_convert", *argv, "--quiet", module=True)
 
 
 def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout, model=None):
@@ -78,8 +77,8 @@ def megatron_logits(tmp_path, ckpt, tokens, nproc, *layout, model=None):
     tokens_file, out = tmp_path / "tokens.json", tmp_path / f"logits_{free_port()}.pt"
     tokens_file.write_text(json.dumps({"tokens": tokens.tolist()}))
     model = model or ["--config", ckpt / "model.yaml"]
-    ok(torchrun(nproc, WORKER_DIR / "hf_logits_worker.py", tokens_file, out, "--", *model, "--load", ckpt,
-                "--mock-data", "--skip-train", *layout))
+    ok(forked(nproc, WORKER_DIR / "hf_logits_worker.py", tokens_file, out, "--", *model, "--load", ckpt,
+              "--mock-data", "--skip-train", *layout))
     return torch.load(out)
 
 

@@ -15,16 +15,16 @@
   train) trains the last layer alone and saves;
 - bad flags are one line.
 
-The runs are shared: one import, four worker runs, a training run and its resumption, and one conversion process.
+The runs are shared (forked from the test worker's zygote): one import, four worker runs, a training run and its
+resumption, and one conversion process.
 """
 import json
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import WORKER_DIR, child_env, free_port, made_once, ok, parity_run, run, torchrun
+from conftest import WORKER_DIR, forked, made_once, ok, parity_run
 from test_hf_convert import VOCAB, make_hf_llama
 
 
@@ -47,13 +47,13 @@ HF_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn
 
 
 def convert(*argv):
-    return run([sys.executable, "-m", "litespark_megatron.hf_convert", *map(str, argv), "--quiet"])
+    return forked(1, "litespark_megatron.hf_convert", *argv, "--quiet", module=True)
 
 
 def convert_many(tmp, *commands):
     """[(exit code, last stderr line)] of several litespark-convert commands, in one process."""
     argv = [token for command in commands for token in ("--", *map(str, command))]
-    ok(run([sys.executable, WORKER_DIR / "convert_many.py", tmp / "converted.json", *argv]))
+    ok(forked(1, WORKER_DIR / "convert_many.py", tmp / "converted.json", *argv))
     return json.loads((tmp / "converted.json").read_text())
 
 
@@ -116,9 +116,7 @@ def runs(base, tokens, tmp_path_factory):
                     *model_flags(base), *flags, "--mock-data", "--lr", "5e-3", "--min-lr", "5e-4",
                     "--train-iters", 3, "--eval-iters", 0, "--eval-interval", 10, "--save", tmp / name,
                     "--save-interval", 1]
-            # one process needs no launcher (the worker sets up a world of one itself)
-            ok(torchrun(nproc, *argv) if nproc > 1 else run([sys.executable, *argv],
-                                                            env=child_env(MASTER_PORT=free_port())))
+            ok(forked(nproc, *argv))  # (one process sets up a world of one itself)
             reports[name] = torch.load(tmp / f"{name}.pt")
             conversions.append(["export-adapter", tmp / name, tmp / f"{name}.adapter", "--base-model", base[0]])
         dora = model_flags(base) + DORA + TRAIN
