@@ -57,7 +57,7 @@ class _RMSNormToFP8(torch.autograd.Function):
     def forward(ctx, x, weight, eps, quantizer):
         if weight.shape != (x.size(-1),):
             raise ValueError(f"RMSNorm: weight of shape {tuple(weight.shape)} for rows of {x.size(-1)}")
-        rows = x.reshape(-1, x.size(-1))
+        rows = x.reshape(-1, x.size(-1)).contiguous()  # (what the backward kernel reads, saved as it read it)
         triton = rms_norm_path(x.device.type) == "litespark"
         fn = rms_norm_fp8_triton if triton else rms_norm_fp8_reference
         row, col, scale_inv, rstd = fn(rows, weight, eps, quantizer.scale, quantizer.amax,
