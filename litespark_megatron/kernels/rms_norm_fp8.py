@@ -1,11 +1,11 @@
-"""Litespark's FP8 RMSNorm: the norm before QKV and fc1 writing the next GEMM's FP8 input, both layouts, in one pass.
+"""Litespark's FP8 RMSNorm: the norm before QKV and fc1 writing the next GEMM's FP8 input, both layouts, in one kernel.
 
 Under FP8, Transformer Engine's norm+linear (LayerNormLinear, the te backend's fused norm) writes the normed rows in
 FP8 row-major and, on Hopper, launches a separate transpose for the column-major copy its weight gradient reads; at
-hidden sizes without a tuned kernel (3,072: Llama-3.2-3B) its norm is its general kernel. This one writes both layouts
-from the registers, with delayed scaling's bookkeeping (the FP8 SwiGLU's conventions, te_fp8.py: the quantizer's `scale`
-multiplies, values saturate and round to nearest even, max |value| is maxed into the quantizer's `amax`, and
-1 / scale travels with the data):
+hidden sizes without a tuned kernel (3,072: Llama-3.2-3B) its norm is its general kernel, unless its cuDNN norms are
+asked for (NVTE_NORM_FWD_USE_CUDNN=1). This one writes both layouts from the registers, with delayed scaling's
+bookkeeping (the FP8 SwiGLU's conventions, te_fp8.py: the quantizer's `scale` multiplies, values saturate and round
+to nearest even, max |value| is maxed into the quantizer's `amax`, and 1 / scale travels with the data):
 
     forward   x [rows, H] (bf16), weight [H] -> y = round(x rsqrt(mean(x^2) + eps)) * weight in fp32 (the rounding to
               x's dtype is the BF16 norm's, rms_norm.py), as [rows, H] and [H, rows] FP8; each row's rsqrt kept
