@@ -286,8 +286,7 @@ def forked(nproc: int, target, *args, module: bool = False, timeout=300, env=Non
     target = ["-m", target] if module else [target]
     if nproc == 1:
         return run([sys.executable, *target, *args], timeout=timeout, env=env)
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--master-addr",
-                "127.0.0.1", "--master-port", free_port(), *target, *args], timeout=timeout, env=env)
+    return torchrun(nproc, *target, *args, timeout=timeout, env=env)
 
 
 class Zygote:
