@@ -89,6 +89,11 @@ def test_the_backward_reference_is_the_norms_gradient():
     assert torch.allclose(dx, gx, rtol=1e-12, atol=1e-12) and torch.allclose(dw, gw, rtol=1e-12, atol=1e-12)
 
 
+def test_a_weight_of_another_size_is_refused():
+    with pytest.raises(ValueError, match=r"^RMSNorm: weight of shape \(39,\) for rows of 40$"):
+        rf.rms_norm_to_fp8(torch.randn(2, 40), torch.rand(39), 1e-5, None)
+
+
 def _bare(cls, **children):
     """A module of class cls without its constructor (megatron-core's need a model's config), holding children."""
     module = cls.__new__(cls)

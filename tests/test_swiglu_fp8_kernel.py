@@ -98,10 +98,10 @@ def test_the_reference_quantizes_as_delayed_scaling_does():
 
 
 def test_formats_and_shapes_it_does_not_take_are_refused():
-    assert te_fp8.fp8_format("DType.kFloat8E5M2") == torch.float8_e5m2
+    assert te_fp8.torch_dtype("DType.kFloat8E5M2") == torch.float8_e5m2
     with pytest.raises(ValueError, match=r"^no FP8 format kBFloat16; Transformer Engine's "
                                          r"\['kFloat8E4M3', 'kFloat8E5M2'\] only$"):
-        te_fp8.fp8_format("DType.kBFloat16")
+        te_fp8.torch_dtype("DType.kBFloat16")
     with pytest.raises(ValueError, match=r"^FP8 SwiGLU: input of shape \(2, 3, 8\); it takes \[rows, 2f\] laid out "
                                          r"\[gate \| up\]$"):
         sf.swiglu_to_fp8(torch.zeros(2, 3, 8), None, None)

@@ -29,6 +29,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return y.to(x.dtype) * weight.to(x.dtype)
 
 
+def check_weight(weight: torch.Tensor, columns: int) -> None:
+    """The norm's weight is one value per column of its rows (a kernel would read past a shorter one)."""
+    if weight.shape != (columns,):
+        raise ValueError(f"RMSNorm: weight of shape {tuple(weight.shape)} for rows of {columns}")
+
+
 def _programs(device: torch.device) -> int:
     """Backward programs in flight: a few per multiprocessor (each sums its own weight-gradient partial)."""
     if device.type == "cuda":
@@ -42,8 +48,7 @@ class _TritonRMSNorm(torch.autograd.Function):
         from . import rms_norm_triton as kernels
 
         columns = x.size(-1)
-        if weight.shape != (columns,):
-            raise ValueError(f"RMSNorm: weight of shape {tuple(weight.shape)} for rows of {columns}")
+        check_weight(weight, columns)
         rows_in = x.reshape(-1, columns).contiguous()
         rows = rows_in.size(0)
         y = torch.empty_like(rows_in)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .rms_norm import rms_norm_backward_reference, rms_norm_backward_triton, rms_norm_path
-from .te_fp8 import float8_tensor, fp8_format, is_quantized, quantized_reference
+from .rms_norm import check_weight, rms_norm_backward_reference, rms_norm_backward_triton, rms_norm_path
+from .te_fp8 import float8_tensor, is_quantized, quantized_reference, torch_dtype
 
 
 def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
@@ -55,13 +55,12 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, scale
 class _RMSNormToFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, quantizer):
-        if weight.shape != (x.size(-1),):
-            raise ValueError(f"RMSNorm: weight of shape {tuple(weight.shape)} for rows of {x.size(-1)}")
+        check_weight(weight, x.size(-1))
         rows = x.reshape(-1, x.size(-1)).contiguous()  # (what the backward kernel reads, saved as it read it)
         triton = rms_norm_path(x.device.type) == "litespark"
         fn = rms_norm_fp8_triton if triton else rms_norm_fp8_reference
         row, col, scale_inv, rstd = fn(rows, weight, eps, quantizer.scale, quantizer.amax,
-                                       fp8_format(quantizer.dtype))
+                                       torch_dtype(quantizer.dtype))
         ctx.save_for_backward(rows, weight, rstd)
         ctx.triton, ctx.shape = triton, x.shape
         return float8_tensor(row, col, scale_inv, quantizer, x.dtype, shape=x.shape)

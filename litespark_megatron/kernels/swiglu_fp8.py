@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_path
-from .te_fp8 import float8_tensor, fp8_format, is_quantized, quantized_reference
+from .te_fp8 import float8_tensor, is_quantized, quantized_reference, torch_dtype
+
 
 def swiglu_fp8_reference(gate_up: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     """[rows, 2f] [gate | up] -> (silu(gate) * up in FP8 [rows, f], the same [f, rows], 1 / scale); amax updated."""
@@ -88,7 +89,7 @@ swiglu_fp8_path = kernel_path  # what the MLP's FP8 SwiGLU runs on a device of t
 class _SwiGLUToFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, forward_quantizer, backward_quantizer):
-        dtype = fp8_format(forward_quantizer.dtype)
+        dtype = torch_dtype(forward_quantizer.dtype)
         fn = swiglu_fp8_triton if swiglu_fp8_path(gate_up.device.type) == "litespark" else swiglu_fp8_reference
         row, col, scale_inv = fn(gate_up, forward_quantizer.scale, forward_quantizer.amax, dtype)
         ctx.save_for_backward(gate_up)
@@ -101,7 +102,7 @@ class _SwiGLUToFP8(torch.autograd.Function):
         quantizer = ctx.backward_quantizer
         if is_quantized(dy):  # fc2's input gradient is bf16 unless TE was asked to quantize it
             dy = dy.dequantize(dtype=gate_up.dtype)
-        dtype = fp8_format(quantizer.dtype)
+        dtype = torch_dtype(quantizer.dtype)
         fn = dswiglu_fp8_triton if swiglu_fp8_path(gate_up.device.type) == "litespark" else dswiglu_fp8_reference
         row, col, scale_inv = fn(dy, gate_up, quantizer.scale, quantizer.amax, dtype)
         return float8_tensor(row, col, scale_inv, quantizer, gate_up.dtype), None, None

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import torch
 
-# Transformer Engine's FP8 formats by name (its DType enum), as torch dtypes.
-FP8_FORMATS = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
+# Transformer Engine's FP8 formats by name (its DType enum), as torch dtypes (kernels.FP8_FORMATS holds their bits).
+TE_FP8_DTYPES = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
 
 
-def fp8_format(te_dtype) -> torch.dtype:
+def torch_dtype(te_dtype) -> torch.dtype:
     """The torch dtype of one of Transformer Engine's FP8 formats."""
     name = getattr(te_dtype, "name", str(te_dtype)).rsplit(".", 1)[-1]
-    if name not in FP8_FORMATS:
-        raise ValueError(f"no FP8 format {name}; Transformer Engine's {sorted(FP8_FORMATS)} only")
-    return FP8_FORMATS[name]
+    if name not in TE_FP8_DTYPES:
+        raise ValueError(f"no FP8 format {name}; Transformer Engine's {sorted(TE_FP8_DTYPES)} only")
+    return TE_FP8_DTYPES[name]
 
 
 def quantized_reference(y: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
