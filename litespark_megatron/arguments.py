@@ -18,6 +18,7 @@ before any work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -1026,10 +1027,34 @@ def default_tokenizer(args) -> None:
         args.tokenizer_type = "NullTokenizer"
 
 
+def launch_environment(args) -> dict:
+    """What the launchers add to a run's environment for these arguments (scripts/pretrain.sh, tools/layout_sweep.py;
+    litespark-plan prints it before its commands): under TP or CP before Blackwell, one hardware work queue,
+    CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's overlap of their communication with compute needs the order it gives,
+    and Megatron-LM asserts it), unless the user set a value."""
+    from megatron.training import arguments as megatron_arguments
+
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ or args.tensor_model_parallel_size * args.context_parallel_size == 1:
+        return {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if megatron_arguments.get_device_arch_version() < 10 else {}
+
+
+@contextlib.contextmanager
+def _launched(args):
+    """This process's environment as the launchers will give the run, for the length of a check."""
+    added = launch_environment(args)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def check_run(args, plat, world: int) -> None:
     """Every check a run of `world` processes would make before training (check(), Megatron-LM's validation, the
-    model's config), for a run not started yet (launchers, the suites); Megatron-LM's printout is not shown."""
-    import contextlib
+    model's config), for a run not started yet (launchers, the suites) with the environment the launchers give it;
+    Megatron-LM's printout is not shown."""
     import io
     import warnings
 
@@ -1041,7 +1066,7 @@ def check_run(args, plat, world: int) -> None:
     with warnings.catch_warnings():
         # No process of the run exists yet, so none has a rank: megatron-core's warning about that says nothing here.
         warnings.filterwarnings("ignore", message=r"Could not determine rank")
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _launched(args):
             megatron_validate(args)
             model = args
             if plat.te and not te_importable():
@@ -1073,7 +1098,6 @@ def resolve(argv: Sequence[str], plat) -> argparse.Namespace:
 def resolve_quietly(argv: Sequence[str], plat=None) -> argparse.Namespace:
     """resolve() for the tools: a bad flag raises ConfigError with argparse's one-line message instead of exiting.
     Without `plat`, flags resolve as on a CPU (a tool reading a model's shape needs no GPU)."""
-    import contextlib
     import io
 
     from .platform import Platform

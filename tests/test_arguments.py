@@ -2,6 +2,7 @@
 --spec names, and one clear error for each configuration that cannot run (checked before any process group)."""
 import argparse
 import importlib.util
+import os
 
 import pytest
 
@@ -647,3 +648,33 @@ def test_a_schedule_megatron_core_cannot_build_is_one_line():
         arguments.parse_checked(TINY + ["--lr-warmup-iters", "2"], CPU)
     assert str(e.value) == ("Megatron-LM refuses this learning-rate schedule: assert self.lr_warmup_steps < "
                             "self.lr_decay_steps (optimizer_param_scheduler.py)")
+
+
+def test_tp_and_cp_are_checked_with_the_one_work_queue_the_launchers_give_them(monkeypatch):
+    """Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 under TP or CP before Blackwell; scripts/pretrain.sh and
+    tools/layout_sweep.py set it for the run after checking the layout, and litespark-plan's commands carry it. A
+    check of a run not started yet (check_run: the launchers' and the plan's) is made with that value, so a Hopper
+    node without it exported does not refuse every TP and CP layout (each was refused on a four-H200 machine); a
+    value the user set is Megatron-LM's to judge, and this process's environment is left as it was."""
+    from megatron.training import arguments as megatron_arguments
+
+    from litespark_megatron.platform import apply_cpu_shims
+
+    apply_cpu_shims()  # (which default the variable on a CPU: dropped below, as on a GPU node)
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)  # Hopper
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    for layout in (["--tensor-model-parallel-size", "2"], ["--context-parallel-size", "2"]):
+        arguments.check_run(resolve(TINY + layout), CPU, 2)
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with pytest.raises(ConfigError, match="Megatron-LM refuses these arguments: Using tensor model parallelism or "
+                                          "context parallelism require setting the environment variable "
+                                          "CUDA_DEVICE_MAX_CONNECTIONS to 1"):
+        arguments.check_run(resolve(TINY + ["--tensor-model-parallel-size", "2"]), CPU, 2)
+    assert arguments.launch_environment(resolve(TINY + ["--tensor-model-parallel-size", "2"])) == {}  # the user's
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert arguments.launch_environment(resolve(TINY + ["--context-parallel-size", "2"])) == \
+        {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert arguments.launch_environment(resolve(TINY)) == {}
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 10)  # Blackwell orders them itself
+    assert arguments.launch_environment(resolve(TINY + ["--tensor-model-parallel-size", "2"])) == {}

@@ -78,9 +78,9 @@ def test_a_plan_ranks_layouts_that_fit_and_prints_their_commands(capsys):
     assert speeds == sorted(speeds, reverse=True) and "assumed MFU 50%" in result["rate"]
     for layout in result["layouts"]:
         assert layout["memory_gib"]["required"] <= result["usable_gib"]
-        assert layout["command"].startswith("torchrun --nnodes 1 --nproc-per-node 4 -m litespark_megatron "
-                                            "--model llama-3b --bf16 --seq-length 4096 --global-batch-size 64 "
-                                            "--cross-entropy-loss-fusion --")
+        assert layout["command"].removeprefix("CUDA_DEVICE_MAX_CONNECTIONS=1 ").startswith(
+            "torchrun --nnodes 1 --nproc-per-node 4 -m litespark_megatron --model llama-3b --bf16 --seq-length 4096 "
+            "--global-batch-size 64 --cross-entropy-loss-fusion --")
         assert layout["flags"][:len(LLAMA_3B) + 1] == [*LLAMA_3B, "--cross-entropy-loss-fusion"]
     # llama-3b BF16 does not fit one 80 GB H100 with fp32 optimizer state: the best layouts shard it
     assert all("dist-opt" in layout["layout"] for layout in result["layouts"])
@@ -93,6 +93,31 @@ def test_a_plan_ranks_layouts_that_fit_and_prints_their_commands(capsys):
                    "--cross-entropy-loss-fusion", "--measured-tokens-per-sec-per-gpu", "10000")
     assert slow["rate"].startswith("measured 10,000 tokens/s") and \
         slow["layouts"][0]["tokens_per_sec_per_gpu"] < result["layouts"][0]["tokens_per_sec_per_gpu"]
+
+
+def test_tp_and_cp_commands_set_the_one_work_queue_and_refusals_say_why(capsys):
+    """A TP or CP layout's command starts with CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM refuses TP and CP on an
+    H100 or H200 without it; scripts/pretrain.sh sets it the same way), a DP one with torchrun; the refused layouts
+    are counted by reason, the most frequent first, in the JSON and in the printout."""
+    result = planned(capsys, "--gpu", "H100", "--gpus-per-node", "8", "--top", "40", *LLAMA_3B)
+    split = [layout for layout in result["layouts"] if not layout["layout"].startswith("TP1 PP1 CP1")]
+    assert split and len(split) < len(result["layouts"])
+    for layout in result["layouts"]:
+        tp_or_cp = not layout["layout"].startswith("TP1 ") or " CP1 " not in layout["layout"]
+        assert layout["environment"] == ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp_or_cp else {}), layout["layout"]
+        assert layout["command"].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun " if tp_or_cp else "torchrun ")
+    assert any(not layout["environment"] for layout in result["layouts"])
+    assert sum(r["layouts"] for r in result["refusals"]) == result["refused"] > 0
+    counts = [r["layouts"] for r in result["refusals"]]
+    assert counts == sorted(counts, reverse=True)
+    assert plan.main(["--gpu", "H100", "--gpus-per-node", "8", "--top", "1", *LLAMA_3B]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith("; refused:"))
+    assert lines[at].startswith(f"{result['checked']} layouts: {result['refused']} refused (litespark-train's "
+                                "checks, the estimate), ")
+    shown = result["refusals"][:plan.REFUSALS_SHOWN]
+    assert lines[at + 1:at + 1 + len(shown)] == [f"  {r['layouts']} x {r['reason']}" for r in shown]
+    assert lines[at + 1 + len(shown)] == "the best:" and lines[at + 2 + len(shown)].startswith("1. ")
 
 
 def test_a_plan_across_nodes(capsys):
@@ -111,7 +136,8 @@ def test_a_plan_across_nodes(capsys):
     for layout in result["layouts"]:
         tp, pp, cp, dp = (int(re.search(rf"{dim}(\d+)", layout["layout"]).group(1)) for dim in ("TP", "PP", "CP", "DP"))
         assert tp * pp * cp * dp == 64 == layout["gpus"] and 8 % tp == 0, layout["layout"]
-        assert layout["command"].startswith("torchrun --nnodes 8 --nproc-per-node 8 -m litespark_megatron ")
+        command = layout["command"].removeprefix("CUDA_DEVICE_MAX_CONNECTIONS=1 ")
+        assert command.startswith("torchrun --nnodes 8 --nproc-per-node 8 -m litespark_megatron ")
         assert 0 < layout["tokens_per_sec_per_gpu"] < one_gpu
         assert layout["memory_gib"]["required"] <= result["usable_gib"]
 
@@ -174,6 +200,11 @@ def test_pipeline_sizes_that_split_the_layers_evenly_and_the_deeper_ones_that_wo
     (["--gpu", "cpu", "--gpu-memory-gib", "4", "--model", "tiny", "--global-batch-size", "4"],
      "--gpu cpu has no measured MFU to start from: give --measured-tokens-per-sec-per-gpu"),
     (["--gpu", "H100", "--nodes", "2", "--verify", "1", *LLAMA_3B], "--verify trains the layouts on this machine"),
+    # FP8 without --bf16 keeps FP32 parameters: on the four-H200 machine every verified layout fell back to SDPA's
+    # math attention and ran out of memory where the model predicted 52-110 GiB
+    (["--gpu", "H200", "--model", "llama-3b", "--fp8-format", "hybrid", "--global-batch-size", "8"],
+     "these flags train in FP32 (no --bf16 or --fp16; FP8 runs keep --bf16 too): on a GPU the attention's fused "
+     "kernels take 16-bit inputs only"),
 ])
 def test_bad_input_is_one_line(capsys, argv, start):
     line = refused(capsys, *argv)

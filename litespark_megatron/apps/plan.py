@@ -41,6 +41,7 @@ MORE_NODES = (2, 4, 8, 16, 32, 64)
 # under DP 5.0 (llama-1b at micro-batch 1, eff-0.5b at 4, llama-3b FP8 at 1: 5.0-5.5); under TP or CP, which launch
 # their collectives too, 7.5 (llama-1b TP2+SP and CP2 on H200s 7.4-7.6; llama-3b TP2+SP on H100s 6.6-8.3).
 HOST_MS_PER_LAYER = {False: 5.0, True: 7.5}
+REFUSALS_SHOWN = 3  # reasons printed (--json has them all)
 SWEEP = Path(__file__).resolve().parents[2] / "tools" / "layout_sweep.py"
 
 
@@ -154,14 +155,21 @@ class Evaluated:
     mfu: Optional[float] = None
     step_time_s: Optional[float] = None
 
-    def as_dict(self, named, argv, world, nodes, gpus_per_node) -> dict:
+    def as_dict(self, named, argv, world, nodes, gpus_per_node, environment: dict) -> dict:
         own = self.candidate.flags(named)
         flags = list(argv) + own
-        return dict(layout=self.candidate.describe(), layout_flags=own, flags=flags,
-                    command=f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} -m litespark_megatron "
+        return dict(layout=self.candidate.describe(), layout_flags=own, flags=flags, environment=environment,
+                    command="".join(f"{k}={shlex.quote(v)} " for k, v in environment.items())
+                            + f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} -m litespark_megatron "
                             + shlex.join(flags),
                     tokens_per_sec_per_gpu=self.tokens_per_sec_per_gpu, mfu=self.mfu, step_time_s=self.step_time_s,
                     memory_gib=self.memory.peak.as_gib(), gpus=world)
+
+
+def launch_environment(gpu: Accelerator, candidate) -> dict:
+    """What a layout's command sets before torchrun, as scripts/pretrain.sh would: one hardware work queue under TP
+    or CP on the H100 and H200, which Megatron-LM asserts before Blackwell (arguments.launch_environment)."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if not gpu.cpu and candidate.tp * candidate.cp > 1 else {}
 
 
 def host_s_per_layer(setup, gpu: Accelerator, override_ms: Optional[float] = None) -> float:
@@ -249,6 +257,10 @@ def plan(opts, argv: Sequence[str]) -> dict:
         raise UserError("--verify trains the layouts on this machine: plan for --nodes 1 (several nodes: run the "
                         "printed commands with scripts/pretrain.sh)")
     args = layouts.resolve([*argv, *layouts.placeholders(named)], plat, world)
+    if not gpu.cpu and not (args.bf16 or args.fp16):
+        raise UserError("these flags train in FP32 (no --bf16 or --fp16; FP8 runs keep --bf16 too): on a GPU the "
+                        "attention's fused kernels take 16-bit inputs only, so it would fall back to scores held in "
+                        "memory, which the memory model does not cover; add --bf16")
     setup = memory_model.setup_from_args(args, world)  # refuses what the memory model does not cover
     measured, peak, rate_source = one_gpu_rate(opts, args, setup.shape, gpu)
     ic, link_source = interconnect(opts, gpu)
@@ -266,11 +278,20 @@ def plan(opts, argv: Sequence[str]) -> dict:
         # the printed command itself, parsed and checked as litespark-train will (not only the edited arguments)
         flags = [*argv, *e.candidate.flags(named)]
         arguments.check_run(layouts.resolve([*flags, *layouts.placeholders(named)], plat, world), plat, world)
-        best.append(e.as_dict(named, argv, world, opts.nodes, opts.gpus_per_node))
+        environment = launch_environment(gpu, e.candidate)
+        best.append(e.as_dict(named, argv, world, opts.nodes, opts.gpus_per_node, environment))
     return dict(gpu=gpu.name, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node, memory_gib=memory_gib,
                 usable_gib=usable, model=_describe_model(args, setup), rate=rate_source, interconnect=link_source,
-                checked=len(evaluated) + len(refused), refused=len(refused),
+                checked=len(evaluated) + len(refused), refused=len(refused), refusals=refusal_counts(refused),
                 do_not_fit=sum(not e.fits for e in evaluated), fit=len(fitting), layouts=best)
+
+
+def refusal_counts(refused) -> List[dict]:
+    """Each distinct reason layouts were refused for, with how many, the most frequent first."""
+    counts = {}
+    for _, reason in refused:
+        counts[reason] = counts.get(reason, 0) + 1
+    return [dict(reason=r, layouts=n) for r, n in sorted(counts.items(), key=lambda item: -item[1])]
 
 
 def pipeline_splits(layers: int, worlds: Sequence[int]) -> Tuple[List[int], List[int]]:
@@ -372,8 +393,12 @@ def render(result: dict) -> str:
              f"{result['gpus_per_node']} {result['gpu']} ({result['memory_gib']:.1f} GiB each; a layout fits in "
              f"{result['usable_gib']:.1f})",
              f"one GPU: {result['rate']}", f"interconnect: {result['interconnect']}",
-             f"{result['checked']} layouts: {result['refused']} refused by litespark-train's checks, "
+             f"{result['checked']} layouts: {result['refused']} refused (litespark-train's checks, the estimate), "
              f"{result['do_not_fit']} do not fit, {result['fit']} fit; the best:"]
+    if result["refusals"]:  # why, for the most frequent reasons: the last line names the best
+        lines[-1:-1] = [lines[-1].removesuffix("; the best:") + "; refused:"] + [
+            f"  {r['layouts']} x {r['reason']}" for r in result["refusals"][:REFUSALS_SHOWN]]
+        lines[-1] = "the best:"
     for i, layout in enumerate(result["layouts"], 1):
         mem = layout["memory_gib"]
         mfu = f", MFU {layout['mfu']:.1%}" if layout["mfu"] is not None else ""
