@@ -289,6 +289,17 @@ def forked(nproc: int, target, *args, module: bool = False, timeout=300, env=Non
     return torchrun(nproc, *target, *args, timeout=timeout, env=env)
 
 
+def tool(script, *args, timeout=300, env=None) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` for a tool that starts one-process training runs (the efficiency suite, the benchmark):
+    forked from the worker's zygote where the environment allows, and the runs it starts forked from it in turn
+    (tests/zygote.py); else a real process, as `run`."""
+    env = env or child_env()
+    if zygote.can_run(env):
+        return zygote.launch(1, str(script), [str(a) for a in args], env, timeout, is_module=False,
+                             fork_children=True)
+    return run([sys.executable, script, *args], timeout=timeout, env=env)
+
+
 class Zygote:
     """tests/zygote.py, started once per test worker on first use: a process that imported torch and megatron-core
     and forks a run per request (a tiny training run's time is mostly those imports). It serves only runs whose
@@ -320,10 +331,11 @@ class Zygote:
                                              cwd=ROOT)
         return self.proc
 
-    def _fork(self, env: dict, argv: list, folder: Path, name: str, target: str, is_module: bool) -> Path:
+    def _fork(self, env: dict, argv: list, folder: Path, name: str, target: str, is_module: bool,
+              fork_children: bool = False) -> Path:
         request = {"target": target, "is_module": is_module, "argv": argv, "env": env, "cwd": str(ROOT),
                    "stdout": str(folder / f"{name}.out"), "stderr": str(folder / f"{name}.err"),
-                   "status": str(folder / f"{name}.status")}
+                   "status": str(folder / f"{name}.status"), "fork_children": fork_children}
         server = self._server()
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
@@ -345,9 +357,10 @@ class Zygote:
             pass
 
     def launch(self, nproc: int, target: str, argv: list, env: dict, timeout: float,
-               is_module: bool = True) -> subprocess.CompletedProcess:
+               is_module: bool = True, fork_children: bool = False) -> subprocess.CompletedProcess:
         """Run `python -m target argv` (nproc ranks, as torchrun starts them); what subprocess.run would return
-        (ranks' outputs one after the other; torchrun's exit status: 1 if any rank failed)."""
+        (ranks' outputs one after the other; torchrun's exit status: 1 if any rank failed). fork_children: the
+        one-process training runs the target starts are forked from it (tests/zygote.py)."""
         import shutil
         import tempfile
         import time
@@ -361,7 +374,7 @@ class Zygote:
                                     GROUP_RANK=0, ROLE_RANK=rank, ROLE_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
                                     MASTER_PORT=env.get("MASTER_PORT") or free_port())
                 ranks.append(self._fork({k: str(v) for k, v in rank_env.items()}, argv, folder, f"rank{rank}",
-                                        target, is_module))
+                                        target, is_module, fork_children))
             deadline, failed_at, sent = time.monotonic() + timeout, None, set()
             stops = ((2, signal.SIGTERM), (12, signal.SIGKILL))
             while True:
@@ -425,7 +438,8 @@ def parity_run(tmp_path, nproc: int, flags, env=None) -> dict:
             "run": records(metrics, "run")[0]}
 
 
-_SPAWNERS = (run, torchrun, train, forked, parity_run)  # conftest's helpers that start processes (the rooms, above)
+# conftest's helpers that start processes (the rooms, above)
+_SPAWNERS = (run, torchrun, train, forked, tool, parity_run)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env, made_once, ok, preset, run, train
+from conftest import ROOT, child_env, made_once, ok, preset, tool, train
 
 SUITE = [sys.executable, str(ROOT / "tools" / "efficiency_suite.py")]
 OWN = ["--model", "tiny", "--variants", "gqa,mqa", "--mock-data", "--train-iters", "4", "--log-interval", "2",
@@ -18,7 +18,7 @@ GPU_ONLY = ("amu_gb", "pcu", "aec_w", "j_per_token", "peak_mem_gb")
 
 
 def suite(out, *argv, timeout=300):
-    return run([*SUITE, "--out", out, *argv], timeout=timeout, env=child_env())
+    return tool(SUITE[1], "--out", out, *argv, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
