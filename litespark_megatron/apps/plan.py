@@ -394,11 +394,12 @@ def render(result: dict) -> str:
              f"{result['usable_gib']:.1f})",
              f"one GPU: {result['rate']}", f"interconnect: {result['interconnect']}",
              f"{result['checked']} layouts: {result['refused']} refused (litespark-train's checks, the estimate), "
-             f"{result['do_not_fit']} do not fit, {result['fit']} fit; the best:"]
-    if result["refusals"]:  # why, for the most frequent reasons: the last line names the best
-        lines[-1:-1] = [lines[-1].removesuffix("; the best:") + "; refused:"] + [
-            f"  {r['layouts']} x {r['reason']}" for r in result["refusals"][:REFUSALS_SHOWN]]
-        lines[-1] = "the best:"
+             f"{result['do_not_fit']} do not fit, {result['fit']} fit; "]
+    if result["refusals"]:  # why, the most frequent reasons first
+        lines[-1] += "refused:"
+        lines += [f"  {r['layouts']} x {r['reason']}" for r in result["refusals"][:REFUSALS_SHOWN]] + ["the best:"]
+    else:
+        lines[-1] += "the best:"
     for i, layout in enumerate(result["layouts"], 1):
         mem = layout["memory_gib"]
         mfu = f", MFU {layout['mfu']:.1%}" if layout["mfu"] is not None else ""
