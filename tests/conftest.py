@@ -290,7 +290,7 @@ def forked(nproc: int, target, *args, module: bool = False, timeout=300, env=Non
 
 
 def tool(script, *args, timeout=300, env=None) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` for a tool that starts one-process training runs (the efficiency suite, the benchmark):
+    """`python SCRIPT ARGS` for a tool that starts one-process training runs (the efficiency suite):
     forked from the worker's zygote where the environment allows, and the runs it starts forked from it in turn
     (tests/zygote.py); else a real process, as `run`."""
     env = env or child_env()

@@ -9,7 +9,7 @@ Protocol: one JSON request per line on stdin ({"target", "is_module", "argv", "e
 its exit status to STATUS (as subprocess reports it: the code, or minus the signal) once it ends. The reply line is
 the waiter's pid. Waiters are reaped here; a run's parent is its waiter, which does nothing but wait.
 
-A request with "fork_children" (a tool: the efficiency suite, the benchmark) runs with subprocess.Popen replaced: a
+A request with "fork_children" (a tool such as the efficiency suite) runs with subprocess.Popen replaced: a
 child `python -m litespark_megatron ARGS` it starts with its output to a file and this environment (what the tools
 start for one process) is forked from the tool, which already holds the imports; every other child is a real
 process."""
