@@ -1027,22 +1027,23 @@ def default_tokenizer(args) -> None:
         args.tokenizer_type = "NullTokenizer"
 
 
-def launch_environment(args) -> dict:
-    """What the launchers add to a run's environment for these arguments (scripts/pretrain.sh, tools/layout_sweep.py;
-    litespark-plan prints it before its commands): under TP or CP before Blackwell, one hardware work queue,
+def launch_environment(tp: int, cp: int, before_blackwell: bool, environ) -> dict:
+    """What the launchers add to a run's environment `environ` (scripts/pretrain.sh, tools/layout_sweep.py;
+    litespark-plan prints it before its commands): under TP or CP on a GPU before Blackwell, one hardware work queue,
     CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's overlap of their communication with compute needs the order it gives,
     and Megatron-LM asserts it), unless the user set a value."""
-    from megatron.training import arguments as megatron_arguments
-
-    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ or args.tensor_model_parallel_size * args.context_parallel_size == 1:
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in environ or tp * cp == 1 or not before_blackwell:
         return {}
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if megatron_arguments.get_device_arch_version() < 10 else {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 @contextlib.contextmanager
 def _launched(args):
     """This process's environment as the launchers will give the run, for the length of a check."""
-    added = launch_environment(args)
+    from megatron.training import arguments as megatron_arguments
+
+    added = launch_environment(args.tensor_model_parallel_size, args.context_parallel_size,
+                               megatron_arguments.get_device_arch_version() < 10, os.environ)
     os.environ.update(added)
     try:
         yield

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from zygote import start_env  # (tests/zygote.py: what a forked run may differ in)
+
 # The stop tests send the runs they start Ctrl-C's SIGINT. A test session started in the background of a
 # non-interactive shell (`nohup ... &`) inherits SIGINT ignored, its children would too, and bash cannot trap a
 # signal ignored at its entry: their handlers would never run. Children inherit the default instead.
@@ -304,22 +306,15 @@ class Zygote:
     """tests/zygote.py, started once per test worker on first use: a process that imported torch and megatron-core
     and forks a run per request (a tiny training run's time is mostly those imports). It serves only runs whose
     environment equals its own except for what is read after the imports (ranks, ports, the project's run-time
-    variables); any other gets a real process. LITESPARK_TEST_FORK=0: never."""
-    RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
-    # (not LITESPARK_CPU_SHIMS: a run without a shim fails in megatron-core code whose state the zygote's imports
-    # already set up)
-    RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
+    variables: zygote.RUN_TIME); any other gets a real process. LITESPARK_TEST_FORK=0: never."""
 
     def __init__(self):
         self.proc = None
         # Not in the GPU pass: a fork must not inherit CUDA state its parent's imports might have made.
         self.enabled = os.environ.get("LITESPARK_TEST_FORK", "1") != "0" and not GPU_PASS
 
-    def _start_env(self, env: dict) -> dict:
-        return {k: v for k, v in env.items() if k not in self.RUN_TIME and not k.startswith(self.RUN_TIME_PREFIX)}
-
     def can_run(self, env: dict) -> bool:
-        return self.enabled and self._start_env(env) == self._start_env(child_env())
+        return self.enabled and start_env(env) == start_env(child_env())
 
     def _server(self):
         if self.proc is None or self.proc.poll() is not None:

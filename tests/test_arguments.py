@@ -671,10 +671,7 @@ def test_tp_and_cp_are_checked_with_the_one_work_queue_the_launchers_give_them(m
                                           "context parallelism require setting the environment variable "
                                           "CUDA_DEVICE_MAX_CONNECTIONS to 1"):
         arguments.check_run(resolve(TINY + ["--tensor-model-parallel-size", "2"]), CPU, 2)
-    assert arguments.launch_environment(resolve(TINY + ["--tensor-model-parallel-size", "2"])) == {}  # the user's
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    assert arguments.launch_environment(resolve(TINY + ["--context-parallel-size", "2"])) == \
-        {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert arguments.launch_environment(resolve(TINY)) == {}
-    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 10)  # Blackwell orders them itself
-    assert arguments.launch_environment(resolve(TINY + ["--tensor-model-parallel-size", "2"])) == {}
+    assert arguments.launch_environment(2, 1, True, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == {}  # the user's
+    assert arguments.launch_environment(1, 2, True, {}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert arguments.launch_environment(1, 1, True, {}) == {}
+    assert arguments.launch_environment(2, 1, False, {}) == {}  # Blackwell orders them itself

@@ -17,14 +17,29 @@ import json
 import os
 import sys
 
-# What every training run imports first (the heavy part: torch's operator registrations, megatron-core's modules).
-import torch  # noqa: F401
-import megatron.core  # noqa: F401
-import megatron.core.models.gpt  # noqa: F401
-import megatron.training.training  # noqa: F401
-import megatron.training.initialize  # noqa: F401
-import megatron.training.checkpointing  # noqa: F401
-import megatron.core.tokenizers.text  # noqa: F401  (megatron.training builds a tokenizer: it imports transformers)
+# What a run reads after its imports, so that a fork of this process serves any value of it: ranks and ports (and
+# torchrun's other variables), the project's run-time variables. (Not LITESPARK_CPU_SHIMS: a run without a shim fails
+# in megatron-core code whose state the imports already set up.)
+RUN_TIME = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
+RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
+
+
+def start_env(env) -> dict:
+    """What of an environment the imports read: a run whose start_env is this process's can be forked from it."""
+    return {k: v for k, v in env.items() if k not in RUN_TIME and not k.startswith(RUN_TIME_PREFIX)}
+
+
+def _import_what_every_run_imports() -> None:
+    """The heavy part of a training run's start: torch's operator registrations, megatron-core's modules (here,
+    not at this module's import: conftest reads start_env from it)."""
+    import torch  # noqa: F401
+    import megatron.core  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.training.training  # noqa: F401
+    import megatron.training.initialize  # noqa: F401
+    import megatron.training.checkpointing  # noqa: F401
+    import megatron.core.tokenizers.text  # noqa: F401  (megatron.training builds a tokenizer: it imports transformers)
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -92,13 +107,6 @@ def _become(request: dict) -> int:
 
 # ---- a tool's children forked from the tool ------------------------------------------------------------------
 FORKED_MODULES = ("litespark_megatron",)  # what the tools start as `python -m` for one process
-# What a run reads after its imports (conftest's Zygote.RUN_TIME and RUN_TIME_PREFIX, and a faulthandler)
-RUN_TIME = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONFAULTHANDLER")
-RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
-
-
-def _start_env(env) -> dict:
-    return {k: v for k, v in env.items() if k not in RUN_TIME and not k.startswith(RUN_TIME_PREFIX)}
 
 
 class _Forked:
@@ -160,7 +168,7 @@ def _forkable(cmd, kwargs) -> bool:
     out, err = kwargs.get("stdout"), kwargs.get("stderr")
     if not hasattr(out, "fileno") or not (err is subprocess.STDOUT or hasattr(err, "fileno")):
         return False
-    return _start_env(kwargs.get("env") or os.environ) == _start_env(os.environ)  # what this process's imports read
+    return start_env(kwargs.get("env") or os.environ) == start_env(os.environ)
 
 
 def _as_a_fresh_process() -> None:
@@ -228,6 +236,7 @@ def _wait_for(run: int, status: str) -> None:
 
 
 def main() -> None:
+    _import_what_every_run_imports()
     for line in sys.stdin:
         request = json.loads(line)
         waiter = os.fork()

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a source checkout: the package next to tools/
     sys.path.insert(0, str(ROOT))
 
-from litespark_megatron.arguments import ConfigError, resolve_quietly  # noqa: E402
+from litespark_megatron.arguments import ConfigError, launch_environment, resolve_quietly  # noqa: E402
 
 HF_LAYOUTS = ("hf-ddp", "hf-fsdp2")  # a layout's first word: HF transformers under torch's data parallelism
 REFUSALS = ("litespark-train: error: ", "hf_parallel: error: ")  # the trainers' one-line refusals
@@ -57,8 +57,9 @@ def run_env(flags) -> dict:
     for flag, value in zip(words, words[1:]):  # the last one given wins, as in argparse
         if flag in sizes and value.isdigit():
             sizes[flag] = int(value)
-    if max(sizes.values()) > 1 and _hopper_or_older():
-        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    tp, cp = sizes["--tensor-model-parallel-size"], sizes["--context-parallel-size"]
+    if tp * cp > 1:  # (the GPU's generation asked of NVML only then)
+        env.update(launch_environment(tp, cp, _hopper_or_older(), env))
     return env
 
 

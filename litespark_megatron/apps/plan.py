@@ -166,12 +166,6 @@ class Evaluated:
                     memory_gib=self.memory.peak.as_gib(), gpus=world)
 
 
-def launch_environment(gpu: Accelerator, candidate) -> dict:
-    """What a layout's command sets before torchrun, as scripts/pretrain.sh would: one hardware work queue under TP
-    or CP on the H100 and H200, which Megatron-LM asserts before Blackwell (arguments.launch_environment)."""
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if not gpu.cpu and candidate.tp * candidate.cp > 1 else {}
-
-
 def host_s_per_layer(setup, gpu: Accelerator, override_ms: Optional[float] = None) -> float:
     """The scaling estimate's host floor of a layout: none under CUDA graphs (they replay the layers without the
     host) or on a CPU (whose host is its compute), else HOST_MS_PER_LAYER or the user's."""
@@ -278,7 +272,8 @@ def plan(opts, argv: Sequence[str]) -> dict:
         # the printed command itself, parsed and checked as litespark-train will (not only the edited arguments)
         flags = [*argv, *e.candidate.flags(named)]
         arguments.check_run(layouts.resolve([*flags, *layouts.placeholders(named)], plat, world), plat, world)
-        environment = launch_environment(gpu, e.candidate)
+        # what the command sets before torchrun, as scripts/pretrain.sh would on the node (H100 and H200: Hopper)
+        environment = arguments.launch_environment(e.candidate.tp, e.candidate.cp, not gpu.cpu, {})
         best.append(e.as_dict(named, argv, world, opts.nodes, opts.gpus_per_node, environment))
     return dict(gpu=gpu.name, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node, memory_gib=memory_gib,
                 usable_gib=usable, model=_describe_model(args, setup), rate=rate_source, interconnect=link_source,
