@@ -311,6 +311,112 @@ def test_interrupted_suite_stops_its_run_and_resumes(tmp_path):
     assert json.loads(state_file.read_text())["variants"]["mqa"]["status"] == "done"
 
 
+PARALLEL = ["--model", "tiny", "--variants", "gqa,mqa,fp16", "--mock-data", "--train-iters", "30", "--log-interval",
+            "10", "--repeats", "2", "--parallel", "2", "--", "--micro-batch-size", "2"]
+
+
+def test_parallel_runs_each_take_a_free_gpu_and_a_repeat_waits_for_its_earlier_one(tmp_path, monkeypatch):
+    """--parallel 2 on a machine of three GPUs: two runs at a time, never on the same GPU, each with its
+    CUDA_VISIBLE_DEVICES; a second repeat starts only after its first; one that ran out of memory has no second;
+    the state says which GPU each run had and the report says the runs shared the host."""
+    import threading
+    import time
+
+    from litespark_megatron.apps import efficiency_suite as efficiency
+
+    spans, lock = {}, threading.Lock()
+
+    def fake_run(settings, run_id, flags, log=print, gpus=None):
+        started = time.monotonic()
+        time.sleep(0.3)
+        with lock:
+            spans[run_id] = (started, time.monotonic(), gpus)
+        run_dir = settings.out / "runs" / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if run_id == "mqa":
+            return dict(flags=flags, returncode=1, seconds=0.3, status="oom", error="CUDA out of memory")
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in gpu_records()) + "\n")
+        return dict(flags=flags, returncode=0, seconds=0.3, status="done")
+
+    monkeypatch.setattr(efficiency, "run_variant", fake_run)
+    monkeypatch.setattr(efficiency, "visible_gpus", lambda: ["0", "1", "2"])
+    settings = efficiency.parse_settings(["--out", str(tmp_path / "out"), *PARALLEL])
+    assert efficiency.run_suite(settings, log=lambda *a: None) == 1  # mqa ran out of memory
+    assert sorted(spans) == ["fp16", "fp16.r2", "gqa", "gqa.r2", "mqa"]  # no second seed for mqa
+    assert {g for _, _, g in spans.values()} == {"0", "1"}  # two slots of one GPU each; GPU 2 left alone
+    at_once = max(sum(1 for a, b, _ in spans.values() if a <= t < b) for t, _, _ in spans.values())
+    assert at_once == 2
+    for (a1, b1, g1), (a2, b2, g2) in ((spans[x], spans[y]) for x in spans for y in spans if x < y):
+        assert g1 != g2 or b1 <= a2 or b2 <= a1, spans  # one run per GPU at a time
+    for name in ("gqa", "fp16"):
+        assert spans[f"{name}.r2"][0] >= spans[name][1]
+    state = json.loads((tmp_path / "out" / "suite_state.json").read_text())["variants"]
+    assert {r: e["gpus"] for r, e in state.items()} == {r: g for r, (_, _, g) in spans.items()}
+    table = (tmp_path / "out" / "efficiency.md").read_text()
+    assert "Runs ran side by side (--parallel), each on its own GPU(s) of the machine (CUDA_VISIBLE_DEVICES 0, 1;" \
+        in table
+
+
+def test_parallel_needs_a_gpu_set_per_run_and_writes_nothing_without(tmp_path, monkeypatch, capsys):
+    from litespark_megatron.apps import efficiency_suite as efficiency
+
+    assert efficiency.gpu_groups(2, 2, ["3", "5", "6", "7", "0"]) == ["3,5", "6,7"]
+    assert efficiency.gpu_groups(1, 8, []) == [None]  # one at a time: the run sees what the suite sees
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert efficiency.visible_gpus() == ["0", "1"]
+    assert efficiency.main(["--out", str(tmp_path / "out"), *PARALLEL[:-5], "--parallel", "3", "--",
+                            "--micro-batch-size", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "efficiency_suite: error: --parallel 3 with --nproc 1 needs 3 GPUs, one set per run, and this machine shows "
+        "2 (CUDA_VISIBLE_DEVICES=0,1): use --parallel 2 or fewer\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.integration  # the runs are processes (of a stand-in command)
+def test_an_interrupted_parallel_suite_stops_every_run_it_started(tmp_path, monkeypatch):
+    """The interruption reaches the suite while two runs train on their GPUs: both processes are stopped, neither
+    is recorded as finished or failed (they run again when the suite is resumed), and no run starts after it."""
+    import time
+
+    import psutil
+
+    from litespark_megatron.apps import efficiency_suite as efficiency
+
+    def sleeper(settings, argv):  # a training run that would outlast the test, telling which GPU it was given
+        return [sys.executable, "-c", "import os, sys, time; print(os.getpid(), os.environ['CUDA_VISIBLE_DEVICES'], "
+                "flush=True); time.sleep(120)"]
+
+    def log(line):
+        if line.startswith("fp16: training"):  # interrupt once the other two train (they have said who they are)
+            deadline = time.time() + 30
+            while time.time() < deadline and not all((runs / run_id / "log.txt").exists() and len(log_lines(run_id)) == 2
+                                                     for run_id in ("gqa", "mqa")):
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+
+    runs = tmp_path / "out" / "runs"
+
+    def log_lines(run_id):
+        return (runs / run_id / "log.txt").read_text().splitlines()
+
+    monkeypatch.setattr(efficiency, "trainer_command", sleeper)
+    monkeypatch.setattr(efficiency, "visible_gpus", lambda: ["0", "1", "2"])
+    settings = efficiency.parse_settings(["--out", str(tmp_path / "out"), *PARALLEL[:-5], "--parallel", "3", "--",
+                                          "--micro-batch-size", "2"])
+    with pytest.raises(KeyboardInterrupt):
+        efficiency.run_suite(settings, log=log)
+    gpus = []
+    for run_id in ("gqa", "mqa"):  # each log: the command, then the process's pid and its GPU
+        pid, gpu = log_lines(run_id)[1].split()
+        gpus.append(gpu)
+        with pytest.raises(psutil.NoSuchProcess):
+            psutil.Process(int(pid)).status()  # stopped and reaped
+    assert sorted(gpus) == ["0", "1"] and not (runs / "fp16").exists()
+    state = json.loads((tmp_path / "out" / "suite_state.json").read_text())["variants"]
+    assert {r: e["status"] for r, e in state.items()} == {"gqa": "running", "mqa": "running", "fp16": "running"}
+    assert not efficiency._LIVE and not efficiency._STOPPING.is_set()
+
+
 def test_a_variant_not_run_yet_counts_parameters_with_the_vocabulary_of_its_data(tmp_path):
     """The vocabulary is the data tokenizer's (megatron.training ignores --vocab-size for a text tokenizer), so the
     parameter count of a variant that has not run uses it, not the preset's 4096."""

@@ -32,12 +32,14 @@ import hashlib
 import json
 import math
 import os
+import queue
 import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +217,7 @@ class Settings:
     report_only: bool = False
     axis: str = "pretrain"
     peft_base: Optional[str] = None  # the fine-tuning axis's base checkpoint
+    parallel: int = 1  # runs at once, each on its own --nproc GPUs
 
     @property
     def variant_table(self) -> Dict[str, Variant]:
@@ -286,6 +289,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-iters", type=positive_int, default=10,
                    help="validation batches for the final perplexity")
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per run (torchrun) on this host")
+    p.add_argument("--parallel", type=positive_int, default=1,
+                   help="runs at once, each on its own --nproc GPUs of this host (CUDA_VISIBLE_DEVICES per run): a "
+                        "suite of many runs on a machine of several GPUs; the runs share the host's CPUs and disks")
     p.add_argument("--mock-data", action="store_true", help="megatron-core mock data instead of the embedded corpus")
     p.add_argument("--warmup-intervals", type=non_negative_int, default=1,
                    help="log intervals left out of AL/PCU/TT/AEC/AMU (compilation, allocator warm-up); all are "
@@ -340,7 +346,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                     nproc=ns.nproc, mock_data=ns.mock_data, warmup_intervals=ns.warmup_intervals,
                     timeout=ns.timeout, time_budget=ns.time_budget, rerun=rerun, variant_flags=variant_flags,
                     shared=shared, allow_degraded=ns.allow_degraded, repeats=ns.repeats,
-                    report_only=ns.report_only, axis=ns.axis, peft_base=peft_base)
+                    report_only=ns.report_only, axis=ns.axis, peft_base=peft_base, parallel=ns.parallel)
 
 
 def _check_axis(ns, shared: List[str]) -> Optional[str]:
@@ -444,25 +450,34 @@ def failure_summary(returncode, log_text: str) -> str:
     return (" | ".join(lines[-3:]) or f"exit status {returncode}")[-400:]
 
 
-def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> dict:
-    """One fresh litespark-train run; returns the state entry (status done / oom / failed)."""
+def trainer_command(settings: Settings, argv: List[str]) -> List[str]:
+    if settings.nproc == 1:
+        return [sys.executable, "-m", "litespark_megatron", *argv]
+    # --standalone: torchrun binds a free port itself and holds it
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(settings.nproc),
+            "-m", "litespark_megatron", *argv]
+
+
+def run_variant(settings: Settings, name: str, flags: List[str], log=print, gpus: Optional[str] = None) -> dict:
+    """One fresh litespark-train run (on the GPUs `gpus` names, as CUDA_VISIBLE_DEVICES, when given); returns the
+    state entry (status done / oom / failed)."""
     run_dir = settings.out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a half-done run's metrics would otherwise be appended to
     run_dir.mkdir(parents=True)
     argv = flags + ["--metrics-file", str(run_dir / "metrics.jsonl"), "--tensorboard-dir", str(run_dir / "tb")]
     if settings.axis == "finetune":  # one checkpoint at the end: its size is a fine-tuning method's measurement
         argv += ["--save", str(run_dir / CHECKPOINT_DIR), "--save-interval", str(settings.train_iters)]
-    if settings.nproc == 1:
-        cmd = [sys.executable, "-m", "litespark_megatron", *argv]
-    else:
-        # --standalone: torchrun binds a free port itself and holds it
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(settings.nproc),
-               "-m", "litespark_megatron", *argv]
+    cmd = trainer_command(settings, argv)
     started = time.time()
     with open(run_dir / "log.txt", "w") as out:
         out.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = None if gpus is None else dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)
+        with _LIVE_LOCK:
+            if _STOPPING.is_set():  # the suite is being interrupted: start nothing more
+                return dict(flags=flags, returncode="interrupted", seconds=0.0, status="failed", error="interrupted")
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            _LIVE.add(proc)
         try:
             rc = proc.wait(timeout=settings.timeout)
         except subprocess.TimeoutExpired:
@@ -471,6 +486,8 @@ def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> d
         except BaseException:  # the suite itself is interrupted: leave no training process behind on the GPU
             _stop(proc)
             raise
+        finally:
+            _LIVE.discard(proc)
     text = (run_dir / "log.txt").read_text(errors="replace")
     entry = dict(flags=flags, returncode=rc, seconds=round(time.time() - started, 1))
     if rc == 0 and _completed(run_dir / "metrics.jsonl"):
@@ -484,6 +501,11 @@ def run_variant(settings: Settings, name: str, flags: List[str], log=print) -> d
 
 
 CHECKPOINT_DIR = "checkpoint"
+# The training processes running now (several with --parallel), for an interrupted suite to stop; once it is stopping,
+# no run starts.
+_LIVE: set = set()
+_LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()
 
 
 def _checkpoint_bytes(directory: Path) -> Optional[int]:
@@ -508,6 +530,20 @@ def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _stop_all(procs: Sequence[subprocess.Popen], grace: float = 30.0) -> None:
+    """_stop for several runs at once: every one asked first, then each waited for."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.time() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _records(metrics: Path) -> List[dict]:
@@ -679,6 +715,8 @@ def collect_rows(settings: Settings, planned: Dict[str, dict], state: dict) -> L
                     row["same_run_as"] = variant_of(source)
                 source_entry = state["variants"].get(source, {})
                 statuses.append(source_entry.get("status", "not run"))
+                if source_entry.get("gpus") and source_entry.get("status") == "done":
+                    row.setdefault("gpus", []).append(source_entry["gpus"])
                 summary = _run_summary(settings, source, counts) if statuses[-1] == "done" else None
                 if summary is not None:
                     size = source_entry.get("checkpoint_bytes")
@@ -762,6 +800,11 @@ def markdown_table(rows: List[dict], settings: Settings, device: str) -> str:
                      "min and max in efficiency.json." +
                      (" Spread of tokens/s between repeats, (max - min) / mean: " +
                       ", ".join(f"{name} {spread:.1%}" for name, spread in spreads) + "." if spreads else ""))
+    beside = sorted({g for r in rows for g in r.get("gpus", [])})
+    if beside:
+        notes.append(f"Runs ran side by side (--parallel), each on its own GPU(s) of the machine (CUDA_VISIBLE_DEVICES "
+                     f"{', '.join(beside)}; suite_state.json says which run had which), sharing its CPUs and disks: a "
+                     f"host-bound step can be slower beside other runs than alone.")
     data = {}
     for r in rows:
         if r["repeats_done"] and r.get("data"):
@@ -1010,6 +1053,7 @@ def run_suite(settings: Settings, log=print) -> int:
         return report_recorded(settings, log)
     plat = platform.detect()
     planned = plan(settings, plat)  # raises before anything runs when no variant can run
+    groups = gpu_groups(settings.parallel, settings.nproc, visible_gpus() if settings.parallel > 1 else [])
     settings.out.mkdir(parents=True, exist_ok=True)
     state = load_state(settings.out, settings.identity())
     device = state["device"] = f"{plat.device_name} ({plat.device_type})"
@@ -1030,13 +1074,14 @@ def run_suite(settings: Settings, log=print) -> int:
     for run_id, entry in state["variants"].items():
         if kept(run_id, entry):
             runner_for.setdefault(entry.get("key"), run_id)
-    t0, stopped = time.time(), []
-    for repeat in range(1, settings.repeats + 1):  # every variant once, then the second repeats, ...
+    # (run_id, variant, repeat, key, flags) in launch order: every variant once, then the second repeats, ...
+    jobs = []
+    for repeat in range(1, settings.repeats + 1):
         for name in settings.variants:
             if planned[name].get("cannot_run"):
                 continue
             run_id = settings.run_ids(name)[repeat - 1]
-            if any(state["variants"].get(r, {}).get("status") == "oom" for r in settings.run_ids(name)[:repeat - 1]):
+            if _an_earlier_repeat_ran_out_of_memory(settings, state, name, repeat):
                 continue  # another seed would run out of memory as well
             key = planned[name]["key"] + ("" if repeat == 1 else f"/r{repeat}")
             flags = run_flags(settings, planned[name], repeat)
@@ -1051,18 +1096,8 @@ def run_suite(settings: Settings, log=print) -> int:
             if kept(run_id, entry) and entry.get("key") == key:
                 log(f"{run_id}: already {entry['status']}, skipped")
                 continue
-            if settings.time_budget is not None and time.time() - t0 > settings.time_budget:
-                stopped.append(run_id)
-                continue
-            state["variants"][run_id] = dict(key=key, status="running", flags=flags,
-                                             started=time.strftime("%Y-%m-%dT%H:%M:%S"))
-            save_state(settings.out, state)  # a crash from here on leaves it 'running': the next invocation re-runs it
-            log(f"{run_id}: training ({settings.variant_table[name].what}) ...")
-            result = run_variant(settings, run_id, flags)
-            state["variants"][run_id] = dict(key=key, **result)
-            save_state(settings.out, state)
-            log(f"{run_id}: {result['status']} in {result['seconds']:.0f} s" +
-                (f": {result['error']}" if result.get("error") else ""))
+            jobs.append((run_id, name, repeat, key, flags))
+    stopped = _run_jobs(settings, jobs, state, groups, log)
     rows = write_report(settings, planned, state, device)
     log((settings.out / "efficiency.md").read_text())
     log(f"wrote {settings.out / 'efficiency.md'}, findings.md, efficiency.json, efficiency.csv, plots/, tb/")
@@ -1074,6 +1109,111 @@ def run_suite(settings: Settings, log=print) -> int:
         log(f"DEGRADED variant {what}" +
             ("" if settings.allow_degraded else " (fix the environment, or pass --allow-degraded to accept it)"))
     return 0 if all(r["status"] == "done" for r in rows) and (settings.allow_degraded or not degraded) else 1
+
+
+def _an_earlier_repeat_ran_out_of_memory(settings: Settings, state: dict, name: str, repeat: int) -> bool:
+    return any(state["variants"].get(r, {}).get("status") == "oom" for r in settings.run_ids(name)[:repeat - 1])
+
+
+def visible_gpus() -> List[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or UUIDs), else 0 .. count - 1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_groups(parallel: int, nproc: int, gpus: Sequence[str]) -> List[Optional[str]]:
+    """The CUDA_VISIBLE_DEVICES of each of `parallel` run slots, `nproc` GPUs apiece; [None] (the run sees what the
+    suite sees) when runs go one at a time."""
+    if parallel == 1:
+        return [None]
+    if parallel * nproc > len(gpus):
+        raise UserError(f"--parallel {parallel} with --nproc {nproc} needs {parallel * nproc} GPUs, one set per run, "
+                        f"and this machine shows {len(gpus)}" +
+                        (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+                         if "CUDA_VISIBLE_DEVICES" in os.environ else "") +
+                        f": use --parallel {max(1, len(gpus) // nproc)} or fewer")
+    return [",".join(gpus[k * nproc:(k + 1) * nproc]) for k in range(parallel)]
+
+
+def _run_jobs(settings: Settings, jobs: list, state: dict, groups: List[Optional[str]], log) -> List[str]:
+    """Run the planned runs, --parallel at a time, each on its own GPUs; record each outcome in the state as it
+    comes. A repeat waits for its variant's earlier repeats (one that ran out of memory means the later ones would
+    too). Returns the runs the time budget left unstarted. Interrupted, it stops every run it started."""
+    free, pending, started_at, stopped = list(groups), list(jobs), time.time(), []
+    running: Dict[str, tuple] = {}  # run_id -> (future, gpus, key)
+    done_events: "queue.Queue[str]" = queue.Queue()
+
+    def waiting_for_an_earlier_repeat(name: str, repeat: int) -> bool:
+        earlier = set(settings.run_ids(name)[:repeat - 1])
+        return any(j[0] in earlier for j in pending) or any(r in earlier for r in running)
+
+    def launch(run_id, name, key, flags, gpus):
+        state["variants"][run_id] = dict(key=key, status="running", flags=flags,
+                                         started=time.strftime("%Y-%m-%dT%H:%M:%S"), **({"gpus": gpus} if gpus else {}))
+        save_state(settings.out, state)  # a crash from here on leaves it 'running': the next invocation re-runs it
+        log(f"{run_id}: training ({settings.variant_table[name].what})" + (f" on GPU {gpus}" if gpus else "") + " ...")
+
+    def record(run_id, key, gpus, result):
+        state["variants"][run_id] = dict(key=key, **result, **({"gpus": gpus} if gpus else {}))
+        save_state(settings.out, state)
+        log(f"{run_id}: {result['status']} in {result['seconds']:.0f} s" +
+            (f": {result['error']}" if result.get("error") else ""))
+
+    if groups == [None]:  # one at a time, in this thread: an interruption reaches run_variant, which stops its run
+        for run_id, name, repeat, key, flags in jobs:
+            if _an_earlier_repeat_ran_out_of_memory(settings, state, name, repeat):
+                continue
+            if settings.time_budget is not None and time.time() - started_at > settings.time_budget:
+                stopped.append(run_id)
+                continue
+            launch(run_id, name, key, flags, None)
+            record(run_id, key, None, run_variant(settings, run_id, flags))
+        return stopped
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(groups))
+    try:
+        while pending or running:
+            for job in list(pending):
+                run_id, name, repeat, key, flags = job
+                if not free:
+                    break
+                if waiting_for_an_earlier_repeat(name, repeat):
+                    continue
+                pending.remove(job)
+                if _an_earlier_repeat_ran_out_of_memory(settings, state, name, repeat):
+                    continue
+                if settings.time_budget is not None and time.time() - started_at > settings.time_budget:
+                    stopped.append(run_id)
+                    continue
+                gpus = free.pop(0)
+                launch(run_id, name, key, flags, gpus)
+                future = pool.submit(run_variant, settings, run_id, flags, gpus=gpus)
+                future.add_done_callback(lambda _, r=run_id: done_events.put(r))
+                running[run_id] = (future, gpus, key)
+            if not running:
+                continue
+            try:
+                run_id = done_events.get(timeout=1.0)  # (a timeout keeps Ctrl-C and SIGTERM prompt)
+            except queue.Empty:
+                continue
+            future, gpus, key = running.pop(run_id)
+            free.append(gpus)
+            record(run_id, key, gpus, future.result())
+    except BaseException:
+        with _LIVE_LOCK:
+            _STOPPING.set()
+            training = list(_LIVE)
+        _stop_all(training)  # their threads then return, and nothing records them: they run again when resumed
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        _STOPPING.clear()
+    return stopped
 
 
 def _interrupt(signum, frame):
