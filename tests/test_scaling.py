@@ -161,7 +161,29 @@ def test_context_parallel_ring_terms():
         Layout(cp_comm_type="a2a")
 
 
-def test_host_floor():
+def test_context_parallel_attention_overhead():
+    """A CP rank's micro-batch costs CP_ATTENTION_OVERHEAD more than 1/CP of one GPU's (its split attention), on top
+    of the K/V exchange and only under CP; the step is the sum of the breakdown."""
+    from litespark_megatron.apps.scaling_estimate import CP_ATTENTION_OVERHEAD
+
+    shape = preset_shape("llama-1b")
+    meas = Measurement(tokens_per_sec_per_gpu=28_021, seq_length=4096, micro_batch_size=1, global_batch_size=8)
+    ic = dataclasses.replace(PLAIN, gpus_per_node=2)
+
+    def run(**layout):
+        return estimate(shape, Layout(**layout), nodes=1, global_batch_size=8, micro_batch_size=1, measured=meas,
+                        peak=H200, interconnect=ic, hbm_tbps=4.8)
+
+    for comm in ("p2p", "all_gather"):
+        cp = run(context_parallel_size=2, cp_comm_type=comm)
+        assert cp.breakdown["cp_attention"] == pytest.approx(CP_ATTENTION_OVERHEAD * cp.breakdown["compute"])
+        assert cp.step_time_s == pytest.approx(sum(cp.breakdown.values()))
+        assert any("longer than 1/CP of one GPU's" in a for a in cp.assumptions)
+    dp = run()
+    assert dp.breakdown["cp_attention"] == 0 and not any("longer than 1/CP" in a for a in dp.assumptions)
+
+
+
     """A micro-batch takes at least the host's launch time of its stage's layers; below it nothing changes."""
     shape = preset_shape("llama-1b")
     meas = Measurement(tokens_per_sec_per_gpu=28_021, seq_length=4096, micro_batch_size=1, global_batch_size=8)

@@ -42,7 +42,7 @@ from litespark_megatron.apps.scaling_estimate import (  # noqa: E402
 
 CONVENTION_LABEL = {"half": "causal-half, Megatron-LM", "full": "full attention, NeMo tables"}
 BREAKDOWN_LABEL = {
-    "compute": "compute (busiest stage)", "tp_comm": "TP collectives", "cp_exposed": "CP KV exchange, exposed",
+    "compute": "compute (busiest stage)", "tp_comm": "TP collectives", "cp_exposed": "CP KV exchange, exposed", "cp_attention": "CP split attention",
     "host_wait": "host launches, beyond the GPU's time",
     "pp_bubble": "PP bubble", "pp_p2p": "PP send/receive", "dp_grad_exposed": "DP gradient reduction, exposed",
     "dp_param_gather_exposed": "DP parameter all-gather, exposed", "embedding_grad_sync": "tied-embedding sync",
@@ -272,8 +272,9 @@ def render_table(estimates: List[dict]) -> str:
     for e in estimates:
         b, step = e["breakdown"], e["step_time_s"]
         dp = b["dp_grad_exposed"] + b["dp_param_gather_exposed"] + b["embedding_grad_sync"]
-        shares = "/".join(f"{100 * x / step:.1f}" for x in (b["compute"], b["tp_comm"], b["cp_exposed"],
-                                                            b["pp_bubble"], b["pp_p2p"], dp, b["optimizer"]))
+        cp = b["cp_exposed"] + b["cp_attention"]
+        shares = "/".join(f"{100 * x / step:.1f}" for x in (b["compute"], b["tp_comm"], cp, b["pp_bubble"],
+                                                            b["pp_p2p"], dp, b["optimizer"]))
         rows.append(f"{e['nodes']:>6}{e['world_size']:>7}{e['data_parallel_size']:>6}{e['num_microbatches']:>7}"
                     f"{step:>10.3f}{e['tokens_per_sec']:>14,.0f}{e['tokens_per_sec_per_gpu']:>11,.1f}"
                     f"{100 * e['mfu']:>7.2f}%{e['scaling_efficiency']:>7.3f}   {shares}")

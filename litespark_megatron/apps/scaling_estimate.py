@@ -18,7 +18,8 @@ backward time of one micro-batch. The estimate then runs that micro-batch on the
   exposed (the attention waits for them); ``"p2p"``: Transformer Engine's ring attention (what the te backend runs
   under CP): CP - 1 ring steps per layer, each passing one rank's K and V (backward: K, V and their gradients) to
   the next rank while the attention of the block at hand runs, so only what a step's transfer takes beyond that
-  block's attention is exposed;
+  block's attention is exposed; either way a CP rank's micro-batch costs CP_ATTENTION_OVERHEAD more than 1/CP of the
+  one GPU's (the attention split into smaller kernels, its partial results merged: measured, not derived);
 * DP (gradients are reduced over the data-parallel x context-parallel group): all-reduce of the gradient
   buffer, or reduce-scatter of gradients + all-gather of parameters with the distributed optimizer; exposed
   unless --overlap-grad-reduce / --overlap-param-gather;
@@ -83,6 +84,12 @@ HBM_TBPS = {
     "H200-NVL": 4.8,    # H200 datasheet, NVL 141 GB HBM3e
     "L40S": 0.864,      # L40S datasheet, 48 GB GDDR6
 }
+
+# Context parallelism's attention costs more than its K/V exchange: TE splits a layer's attention into 2 x CP - 1 smaller
+# kernels per pass (ring) or all-to-alls around it (a2a), merges the partial outputs in fp32 and waits for each step.
+# Measured, a CP rank's micro-batch takes this much longer than 1/CP of one GPU's: the median over the CP rows of
+# docs/benchmarks (docs/planner.md, "The estimate"; 8-43% on two to four H200s, 4k-16k tokens).
+CP_ATTENTION_OVERHEAD = 0.17
 
 # Megatron-Core's default gradient bucket (distributed_data_parallel.py: max(40M, 1M x data-parallel size)
 # parameters) when --overlap-grad-reduce is on; without it the whole buffer is one bucket.
@@ -249,7 +256,7 @@ class ScalingEstimate:
                     details=dict(self.details), assumptions=list(self.assumptions))
 
 
-BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "host_wait", "pp_bubble", "pp_p2p", "dp_grad_exposed",
+BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "cp_attention", "host_wait", "pp_bubble", "pp_p2p", "dp_grad_exposed",
                   "dp_param_gather_exposed", "embedding_grad_sync", "optimizer")
 
 
@@ -547,11 +554,13 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
         n_ar = ar_per_layer * len(layers_of[r]) + (1 if r == 0 else 0) + (1 if r == pp - 1 else 0)
         tp_comm = n_ar * t_tp_ar + (t_loss_ar if r == pp - 1 else 0.0)
         cp_exposed = len(layers_of[r]) * t_cp_layer
+        cp_attention = CP_ATTENTION_OVERHEAD * compute if cp > 1 else 0.0
         params = params_of[r]
+        busy = compute + tp_comm + cp_exposed + cp_attention
         # A GPU faster than its host waits for the launches: the micro-batch takes the host's time then.
-        host_wait = max(0.0, host_s_per_layer * len(layers_of[r]) - (compute + tp_comm + cp_exposed))
-        stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, host_wait=host_wait,
-                           params=params, per_microbatch=compute + tp_comm + cp_exposed + host_wait))
+        host_wait = max(0.0, host_s_per_layer * len(layers_of[r]) - busy)
+        stages.append(dict(compute=compute, tp_comm=tp_comm, cp_exposed=cp_exposed, cp_attention=cp_attention,
+                           host_wait=host_wait, params=params, per_microbatch=busy + host_wait))
     crit = max(range(pp), key=lambda r: stages[r]["per_microbatch"])
     st = stages[crit]
     t_fb = st["per_microbatch"]
@@ -560,6 +569,7 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
     breakdown["compute"] = m * st["compute"]
     breakdown["tp_comm"] = m * st["tp_comm"]
     breakdown["cp_exposed"] = m * st["cp_exposed"]
+    breakdown["cp_attention"] = m * st["cp_attention"]
     breakdown["host_wait"] = m * st["host_wait"]
     if pp > 1:
         breakdown["pp_bubble"] = (pp - 1) / v * t_fb
@@ -631,7 +641,9 @@ def estimate(shape: ModelShape, layout: Layout, *, nodes: int, global_batch_size
         "TP collectives are exposed (no TP communication overlap); activations are communicated in 16 bits",
         "CP: " + ("TE's ring attention: each ring step's K/V transfer hidden behind one block's attention, the rest "
                   "exposed" if layout.cp_comm_type == "p2p" else "Litespark's all-gather attention: the K/V "
-                  "all-gather and its reduce-scatter exposed"),
+                  "all-gather and its reduce-scatter exposed")
+        + (f"; a CP rank's micro-batch {CP_ATTENTION_OVERHEAD:.0%} longer than 1/CP of one GPU's (split attention, "
+           f"measured)" if cp > 1 else ""),
         f"DP gradients reduced in {'fp32' if grad_bytes == 4 else '16 bits'} over DP x CP ranks; "
         + ("distributed optimizer: reduce-scatter + 16-bit parameter all-gather" if layout.use_distributed_optimizer
            else "all-reduce (no distributed optimizer)")
