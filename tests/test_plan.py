@@ -224,8 +224,10 @@ def test_verify_on_the_cpu_with_two_ranks(tmp_path, capsys):
     result = planned(capsys, "--gpu", "cpu", "--gpus-per-node", "2", "--gpu-memory-gib", "16",
                      "--measured-tokens-per-sec-per-gpu", "20000", "--top", "2", "--verify", "1", "--verify-steps", "3",
                      "--out", str(tmp_path), "--model", "tiny", "--seq-length", "64", "--global-batch-size", "4")
-    row = json.loads((tmp_path / "sweep.json").read_text())["rows"][0]
-    best = result["layouts"][0]
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    row, best = sweep["rows"][0], result["layouts"][0]
+    # each of the verify's own flags once (not after a placeholder of the same flag)
+    assert [sweep["shared_flags"].count(f) for f in ("--train-iters", "--eval-interval", "--lr")] == [1, 1, 1]
     assert row["rc"] == 0 and row["nproc"] == 2 and row["flags"] == " ".join(best["layout_flags"])
     verified = result["verified"]
     assert len(verified) == 1 and verified[0]["layout"] == best["layout"] and verified[0]["error"] is None

@@ -358,9 +358,10 @@ def verify(result: dict, argv: Sequence[str], opts) -> List[dict]:
     named = layouts.named_flags(argv)
     steps = opts.verify_steps
     # a few steps, logged every third of them (the sweep averages the intervals after the first), no evaluation;
-    # data and a learning rate only where the user's flags have none (later flags win)
-    run = [*layouts.placeholders(named), "--train-iters", str(steps), "--log-interval", str(max(1, steps // 3)),
-           "--eval-iters", "0", "--eval-interval", str(10 ** 6)]
+    # data and a learning rate only where the user's flags have none (later flags win): the plan's placeholders
+    # for the steps and the evaluation are these
+    run = [*layouts.placeholders(named | {"--train-iters", "--eval-interval"}), "--train-iters", str(steps),
+           "--log-interval", str(max(1, steps // 3)), "--eval-iters", "0", "--eval-interval", str(10 ** 6)]
     chosen = result["layouts"][:opts.verify]
     world = result["nodes"] * result["gpus_per_node"]
     out = Path(opts.out)
