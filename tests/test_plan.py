@@ -88,6 +88,11 @@ def test_a_plan_ranks_layouts_that_fit_and_prints_their_commands(capsys):
     fixed = planned(capsys, "--gpu", "H100", "--gpus-per-node", "4", *LLAMA_3B, "--micro-batch-size", "2")
     assert {layout["layout"].split(" mb ")[1][:1] for layout in fixed["layouts"]} == {"2"}
     assert all(layout["flags"].count("--micro-batch-size") == 1 for layout in fixed["layouts"])
+    # FP8's assumed MFU is the one measured on the GPU type: an H200 runs the Litespark defaults faster than an H100
+    fp8 = {gpu: planned(capsys, "--gpu", gpu, "--gpus-per-node", "4", "--top", "1", *LLAMA_3B, "--fp8-format",
+                        "hybrid")["rate"] for gpu in ("H100", "H200")}
+    assert "assumed MFU 65% (causal-half, FP8; measured on H100s)" in fp8["H100"]
+    assert "assumed MFU 75% (causal-half, FP8; measured on H200s)" in fp8["H200"]
     # a measured rate replaces the assumed MFU, and scales the prediction
     slow = planned(capsys, "--gpu", "H100", "--gpus-per-node", "4", "--top", "1", *LLAMA_3B,
                    "--cross-entropy-loss-fusion", "--measured-tokens-per-sec-per-gpu", "10000")

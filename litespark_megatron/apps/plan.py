@@ -30,9 +30,11 @@ from . import layouts, memory_model
 from .gpus import Accelerator, accelerator
 
 PROG = "litespark-plan"
-# One GPU's MFU (causal-half convention) when no rate is measured: the one-GPU llama-3b rows of docs/benchmarks ran
-# at 50-56% in BF16 and 57-74% in FP8 on H100 and H200 (micro-batch 1 to 4).
+# One GPU's MFU (causal-half convention) when no rate is measured, from the one-GPU rows of docs/benchmarks
+# (docs/planner.md): BF16 50% (llama-3b on H100 and H200: 50-56%); FP8 65% (llama-3b on an H100 at micro-batch 2:
+# 64%), and on an H200 with the Litespark defaults 75% (llama-3b at micro-batch 4: 75-78%; llama3-8b at 2: 88%).
 DEFAULT_MFU = {"bf16": 0.50, "fp16": 0.50, "fp8": 0.65}
+DEFAULT_MFU_OF_GPU = {"H200": {"fp8": 0.75}}
 PAO_FLAGS = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
              "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 MORE_NODES = (2, 4, 8, 16, 32, 64)
@@ -137,11 +139,11 @@ def one_gpu_rate(opts, args, shape, gpu: Accelerator):
     if gpu.cpu or precision not in DEFAULT_MFU:
         raise UserError(f"{'--gpu cpu' if gpu.cpu else precision.upper() + ' training'} has no measured MFU to start "
                         "from: give --measured-tokens-per-sec-per-gpu (one GPU's rate with these flags)")
-    mfu = DEFAULT_MFU[precision]
+    mfu = DEFAULT_MFU_OF_GPU.get(gpu.name, {}).get(precision, DEFAULT_MFU[precision])
     per_token = training_flops_per_step(shape, 1, causal="half").model_flops_per_token
     rate = mfu * peak.tflops * 1e12 / per_token
     return (Measurement(rate, shape.seq_length, 1, gbs), peak,
-            f"assumed MFU {mfu:.0%} (causal-half, {precision.upper()}; measured on H100/H200), {rate:,.0f} tokens/s "
+            f"assumed MFU {mfu:.0%} (causal-half, {precision.upper()}; measured on {gpu.name}s), {rate:,.0f} tokens/s "
             "on one GPU: give --measured-tokens-per-sec-per-gpu for a plan of your own rate")
 
 
