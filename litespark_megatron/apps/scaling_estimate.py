@@ -256,8 +256,8 @@ class ScalingEstimate:
                     details=dict(self.details), assumptions=list(self.assumptions))
 
 
-BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "cp_attention", "host_wait", "pp_bubble", "pp_p2p", "dp_grad_exposed",
-                  "dp_param_gather_exposed", "embedding_grad_sync", "optimizer")
+BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_exposed", "cp_attention", "host_wait", "pp_bubble", "pp_p2p",
+                  "dp_grad_exposed", "dp_param_gather_exposed", "embedding_grad_sync", "optimizer")
 
 
 def _positive(name: str, value) -> None:
