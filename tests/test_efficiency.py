@@ -324,19 +324,21 @@ def test_parallel_runs_each_take_a_free_gpu_and_a_repeat_waits_for_its_earlier_o
 
     from litespark_megatron.apps import efficiency_suite as efficiency
 
-    spans, lock = {}, threading.Lock()
+    spans, lock, first_two = {}, threading.Lock(), threading.Barrier(2, timeout=30)
 
     def fake_run(settings, run_id, flags, log=print, gpus=None):
         started = time.monotonic()
-        time.sleep(0.3)
+        if run_id in ("gqa", "mqa"):
+            first_two.wait()  # the first two runs are under way at once (or the barrier breaks: not in parallel)
+        time.sleep(0.2)
         with lock:
             spans[run_id] = (started, time.monotonic(), gpus)
         run_dir = settings.out / "runs" / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
         if run_id == "mqa":
-            return dict(flags=flags, returncode=1, seconds=0.3, status="oom", error="CUDA out of memory")
+            return dict(flags=flags, returncode=1, seconds=0.2, status="oom", error="CUDA out of memory")
         (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in gpu_records()) + "\n")
-        return dict(flags=flags, returncode=0, seconds=0.3, status="done")
+        return dict(flags=flags, returncode=0, seconds=0.2, status="done")
 
     monkeypatch.setattr(efficiency, "run_variant", fake_run)
     monkeypatch.setattr(efficiency, "visible_gpus", lambda: ["0", "1", "2"])
