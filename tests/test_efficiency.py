@@ -391,8 +391,8 @@ def test_an_interrupted_parallel_suite_stops_every_run_it_started(tmp_path, monk
     def log(line):
         if line.startswith("fp16: training"):  # interrupt once the other two train (they have said who they are)
             deadline = time.time() + 30
-            while time.time() < deadline and not all((runs / run_id / "log.txt").exists() and len(log_lines(run_id)) == 2
-                                                     for run_id in ("gqa", "mqa")):
+            while time.time() < deadline and not all(
+                    (runs / run_id / "log.txt").exists() and len(log_lines(run_id)) == 2 for run_id in ("gqa", "mqa")):
                 time.sleep(0.05)
             raise KeyboardInterrupt
 

@@ -42,7 +42,8 @@ from litespark_megatron.apps.scaling_estimate import (  # noqa: E402
 
 CONVENTION_LABEL = {"half": "causal-half, Megatron-LM", "full": "full attention, NeMo tables"}
 BREAKDOWN_LABEL = {
-    "compute": "compute (busiest stage)", "tp_comm": "TP collectives", "cp_exposed": "CP KV exchange, exposed", "cp_attention": "CP split attention",
+    "compute": "compute (busiest stage)", "tp_comm": "TP collectives", "cp_exposed": "CP KV exchange, exposed",
+    "cp_attention": "CP split attention",
     "host_wait": "host launches, beyond the GPU's time",
     "pp_bubble": "PP bubble", "pp_p2p": "PP send/receive", "dp_grad_exposed": "DP gradient reduction, exposed",
     "dp_param_gather_exposed": "DP parameter all-gather, exposed", "embedding_grad_sync": "tied-embedding sync",

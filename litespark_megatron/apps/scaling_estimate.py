@@ -85,8 +85,9 @@ HBM_TBPS = {
     "L40S": 0.864,      # L40S datasheet, 48 GB GDDR6
 }
 
-# Context parallelism's attention costs more than its K/V exchange: TE splits a layer's attention into 2 x CP - 1 smaller
-# kernels per pass (ring) or all-to-alls around it (a2a), merges the partial outputs in fp32 and waits for each step.
+# Context parallelism's attention costs more than its K/V exchange: TE splits a layer's attention into 2 x CP - 1
+# smaller kernels per pass (ring) or all-to-alls around it (a2a), merges the partial outputs in fp32 and waits for
+# each step.
 # Measured, a CP rank's micro-batch takes this much longer than 1/CP of one GPU's: the median over the CP rows of
 # docs/benchmarks (docs/planner.md, "The estimate"; 8-43% on two to four H200s, 4k-16k tokens).
 CP_ATTENTION_OVERHEAD = 0.17
