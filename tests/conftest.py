@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zygote import start_env  # (tests/zygote.py: what a forked run may differ in)
+from zygote import RANK_VARIABLES, start_env  # (tests/zygote.py: what a forked run may differ in)
 
 # The stop tests send the runs they start Ctrl-C's SIGINT. A test session started in the background of a
 # non-interactive shell (`nohup ... &`) inherits SIGINT ignored, its children would too, and bash cannot trap a
@@ -238,11 +238,8 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {_BLOCK.start}-{_BLOCK.stop - 1}")
 
 
-# What torchrun gives its ranks: a child of the test process is not one unless a test says so (an in-process call
-# that set one of these must not turn every later child into "rank 0 of 8").
-RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
+# What torchrun gives its ranks (zygote.RANK_VARIABLES): a child of the test process is not one unless a test says so
+# (an in-process call that set one of these must not turn every later child into "rank 0 of 8").
 def child_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

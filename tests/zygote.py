@@ -20,8 +20,8 @@ import sys
 # What a run reads after its imports, so that a fork of this process serves any value of it: ranks and ports (and
 # torchrun's other variables), the project's run-time variables. (Not LITESPARK_CPU_SHIMS: a run without a shim fails
 # in megatron-core code whose state the imports already set up.)
-RUN_TIME = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
 RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
 
 
