@@ -1147,6 +1147,15 @@ def _run_jobs(settings: Settings, jobs: list, state: dict, groups: List[Optional
     running: Dict[str, tuple] = {}  # run_id -> (future, gpus, key)
     done_events: "queue.Queue[str]" = queue.Queue()
 
+    def startable(run_id: str, name: str, repeat: int) -> bool:
+        """Not when an earlier repeat ran out of memory, nor past the time budget (then it is one `stopped`)."""
+        if _an_earlier_repeat_ran_out_of_memory(settings, state, name, repeat):
+            return False
+        if settings.time_budget is not None and time.time() - started_at > settings.time_budget:
+            stopped.append(run_id)
+            return False
+        return True
+
     def waiting_for_an_earlier_repeat(name: str, repeat: int) -> bool:
         earlier = set(settings.run_ids(name)[:repeat - 1])
         return any(j[0] in earlier for j in pending) or any(r in earlier for r in running)
@@ -1165,10 +1174,7 @@ def _run_jobs(settings: Settings, jobs: list, state: dict, groups: List[Optional
 
     if groups == [None]:  # one at a time, in this thread: an interruption reaches run_variant, which stops its run
         for run_id, name, repeat, key, flags in jobs:
-            if _an_earlier_repeat_ran_out_of_memory(settings, state, name, repeat):
-                continue
-            if settings.time_budget is not None and time.time() - started_at > settings.time_budget:
-                stopped.append(run_id)
+            if not startable(run_id, name, repeat):
                 continue
             launch(run_id, name, key, flags, None)
             record(run_id, key, None, run_variant(settings, run_id, flags))
@@ -1185,10 +1191,7 @@ def _run_jobs(settings: Settings, jobs: list, state: dict, groups: List[Optional
                 if waiting_for_an_earlier_repeat(name, repeat):
                     continue
                 pending.remove(job)
-                if _an_earlier_repeat_ran_out_of_memory(settings, state, name, repeat):
-                    continue
-                if settings.time_budget is not None and time.time() - started_at > settings.time_budget:
-                    stopped.append(run_id)
+                if not startable(run_id, name, repeat):
                     continue
                 gpus = free.pop(0)
                 launch(run_id, name, key, flags, gpus)
