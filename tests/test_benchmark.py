@@ -263,6 +263,12 @@ def test_hf_config_has_the_preset_shape():
     (["--systems", " , "], "--systems is empty and no --variant given; name at least one of: hf-eager"),
     (["--micro-batch-size", "4", "--global-batch-size", "6"], "--global-batch-size 6 is not a multiple of"),
     (["--best-micro-batch", "--micro-batch-size", "2"], "--micro-batch-size and --best-micro-batch are exclusive"),
+    (["--micro-batch-candidates", "4,8"], "--micro-batch-candidates needs --best-micro-batch"),
+    (["--best-micro-batch", "--micro-batch-candidates", "4,x"], "argument --micro-batch-candidates: expected a comma "
+                                                                "list of positive integers such as 4,8, got '4,x'"),
+    (["--best-micro-batch", "--micro-batch-candidates", "0,8"], "got '0,8'"),
+    (["--best-micro-batch", "--micro-batch-candidates", "3,4", "--global-batch-size", "8"],
+     "--micro-batch-candidates 3 does not divide the global batch 8"),
     (["--model", "llama-7b"], "unknown --model 'llama-7b'; choose one of: tiny, llama-1b"),
     (["--model", "tiny", "--hidden-size", "130"], "--hidden-size 130 is not divisible by --num-attention-heads 4"),
     (["--model", "tiny", "--hidden-size", "100"], "head dimension 25 (--hidden-size 100 / --num-attention-heads 4) "
@@ -316,6 +322,11 @@ def test_parser_defaults_match_the_documented_run():
                                              "b=litespark-fp8:--litespark-cross-entropy"])) == ["a", "b"]
     assert benchmark.micro_batch_plan(SimpleNamespace(best_micro_batch=True, micro_batch_size=None,
                                                       global_batch_size=12)) == (12, [1, 2, 4])
+    # Chosen candidates: ascending, each tried at the same global batch (by default their largest).
+    parse = benchmark.build_parser().parse_args
+    assert benchmark.micro_batch_plan(parse(["--best-micro-batch", "--micro-batch-candidates", "8,4,4"])) == (8, [4, 8])
+    assert benchmark.micro_batch_plan(parse(["--best-micro-batch", "--micro-batch-candidates", "2,6",
+                                             "--global-batch-size", "12"])) == (12, [2, 6])
 
 
 H200 = {"type": "cuda", "name": "NVIDIA H200", "count": 1, "capability": "9.0", "cuda": "13.0", "cudnn": "9.14.0",

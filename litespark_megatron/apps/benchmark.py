@@ -2,6 +2,7 @@
 
     python tools/benchmark.py --out runs/bench      # llama-3b, seq 4096, micro-batch 2, the five default systems
     python tools/benchmark.py --systems hf-eager,litespark-bf16 --best-micro-batch --global-batch-size 8
+    python tools/benchmark.py --systems litespark-fp8,stock-te-fp8 --best-micro-batch --micro-batch-candidates 4,8
 
 Every system trains the same model shape on random tokens, uniform over the vocabulary (same sequence length, same
 tokens per optimizer step; the megatron systems read them from an indexed dataset written once per benchmark, the HF
@@ -149,6 +150,9 @@ def build_parser():
                    help=f"try micro-batches {', '.join(map(str, MICRO_BATCH_CANDIDATES))} (those dividing the global "
                         "batch) for each system at the same tokens per step and keep the fastest that fits; the notes "
                         "say the largest that fits")
+    p.add_argument("--micro-batch-candidates", type=micro_batch_list, default=None, metavar="LIST",
+                   help="with --best-micro-batch: the micro-batches to try instead, a comma list such as 4,8 (each "
+                        "must divide the global batch): skip the small ones a large model is known to run slower at")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=SYSTEM:FLAGS",
                    help="one more system, run after --systems: SYSTEM (a megatron one) with extra litespark-train "
                         "FLAGS, to measure one change side by side with SYSTEM in the same run, e.g. --variant "
@@ -263,13 +267,34 @@ def random_token_flags(flags: List[str], args, prefix: str, sequences: int, seed
                                                        "--vocab-size", str(args.vocab_size)]
 
 
+def micro_batch_list(text: str) -> Tuple[int, ...]:
+    """'4,8' -> (4, 8): distinct positive integers, ascending (the runs stop at the first that is out of memory)."""
+    try:
+        sizes = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers such as 4,8, got '{text}'")
+    return tuple(sizes)
+
+
 def micro_batch_plan(opts) -> Tuple[int, List[int]]:
     """(global batch, micro-batch sizes to try) after checking that they fit together."""
+    chosen = getattr(opts, "micro_batch_candidates", None)
+    if chosen is not None and not opts.best_micro_batch:
+        raise UserError("--micro-batch-candidates needs --best-micro-batch (it says which micro-batches that tries); "
+                        "for one micro-batch use --micro-batch-size")
     if opts.best_micro_batch:
         if opts.micro_batch_size is not None:
             raise UserError("--micro-batch-size and --best-micro-batch are exclusive: the latter tries micro-batches "
-                            + ", ".join(map(str, MICRO_BATCH_CANDIDATES)))
-        gbs = opts.global_batch_size or BEST_MICRO_BATCH_GLOBAL_DEFAULT
+                            + ", ".join(map(str, chosen or MICRO_BATCH_CANDIDATES)))
+        gbs = opts.global_batch_size or (max(chosen) if chosen else BEST_MICRO_BATCH_GLOBAL_DEFAULT)
+        if chosen:
+            odd = [m for m in chosen if gbs % m]
+            if odd:
+                raise UserError(f"--micro-batch-candidates {','.join(map(str, odd))} does not divide the global batch "
+                                f"{gbs}: every micro-batch tried must run the same tokens per step")
+            return gbs, list(chosen)
         return gbs, [m for m in MICRO_BATCH_CANDIDATES if gbs % m == 0]
     mbs = opts.micro_batch_size or 2
     gbs = opts.global_batch_size or mbs
