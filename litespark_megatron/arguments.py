@@ -115,6 +115,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "Litespark's kernels (kernels/qkv_rope.py; Triton on a GPU, its plain-torch reference "
                         "elsewhere): one read and one write each way, instead of megatron-core's split, Transformer "
                         "Engine's RoPE kernels, the value's copy and the gradients' concatenation." + auto)
+    g.add_argument("--litespark-rope-fp8-grad", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --litespark-rope under FP8 (delayed scaling, te backend): the RoPE kernel's backward "
+                        "writes the QKV GEMM's FP8 output gradient, row- and column-major in one pass, instead of a "
+                        "bf16 gradient that Transformer Engine reads again to cast (kernels/qkv_rope.py; layers kept "
+                        "in BF16 take the bf16 one). Off unless given, until a loss-equivalence run")
     g.add_argument("--litespark-swiglu", action=argparse.BooleanOptionalAction, default=None,
                    help="under FP8 (delayed scaling, te backend) the Litespark MLP's SwiGLU runs Litespark's kernels "
                         "(kernels/swiglu_fp8.py): it writes fc2's FP8 input, and in the backward fc1's FP8 output "
@@ -429,6 +434,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_litespark_rope(args, plat)
     if args.litespark_swiglu:
         _check_litespark_swiglu(args, plat)
+    if args.litespark_rope_fp8_grad:
+        _check_litespark_rope_fp8_grad(args)
     if args.litespark_fp8_output_layer:
         _check_litespark_fp8_output_layer(args, plat, tp, cp)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
@@ -887,6 +894,26 @@ def _check_litespark_rope(args, plat) -> None:
     )
     _refuse_first("--litespark-rope", refusals)
     _check_triton("--litespark-rope", plat)
+
+
+def _check_litespark_rope_fp8_grad(args) -> None:
+    """Where the RoPE kernel runs and the QKV GEMM's output gradient is Transformer Engine's delayed-scaling FP8, with
+    nothing else owning that gradient (checked after --litespark-rope's own refusals)."""
+    recomputed = args.recompute_granularity == "full"
+    refusals = (
+        (not args.litespark_rope, "is the RoPE kernel's backward: it needs --litespark-rope (on by default where the "
+                                  "kernels were measured)"),
+        (args.transformer_impl != "transformer_engine" or not args.fp8,
+         "writes Transformer Engine's FP8 tensors: it needs --fp8-format on the te backend (--transformer-impl "
+         "transformer_engine)"),
+        (args.fp8_recipe != "delayed", f"writes delayed-scaling FP8 (--fp8-recipe delayed), and the recipe is "
+                                       f"{args.fp8_recipe}; drop one"),
+        (args.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1: not tested together yet; drop "
+                                              "one"),
+        (recomputed, "with --recompute-granularity full: not tested together yet; drop one"),
+        (getattr(args, "peft", None), "with --peft: the adapters add to the QKV GEMM's output; drop one"),
+    )
+    _refuse_first("--litespark-rope-fp8-grad", refusals)
 
 
 def _check_litespark_swiglu(args, plat) -> None:

@@ -38,7 +38,7 @@ def model_config_from_args(args):
     if getattr(args, "litespark_rmsnorm", False):
         bound["norm"] = "litespark"
     if getattr(args, "litespark_rope", False):
-        bound["rope"] = "litespark"
+        bound["rope"] = "litespark-fp8-grad" if getattr(args, "litespark_rope_fp8_grad", False) else "litespark"
     if getattr(args, "litespark_swiglu", False):
         bound["swiglu"] = "litespark"
     if getattr(args, "peft", None) in ("lora", "dora"):

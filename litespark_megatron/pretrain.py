@@ -178,6 +178,8 @@ def _probed_forward(run, model):
         from .kernels.qkv_rope import qkv_rope_path
 
         rope = qkv_rope_path(device_type)
+        if any(getattr(m, "rope_fp8_grad_ran", False) for m in model.modules()):
+            rope += " fp8 grad"  # the backward wrote the QKV GEMM's FP8 output gradient (layers/attention.py)
     output_layer = None
     if getattr(args, "litespark_fp8_output_layer", False):
         from .kernels.fp8_logits import fp8_logits_path

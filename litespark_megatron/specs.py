@@ -55,9 +55,9 @@ def _refuse_unbuildable(backend: str, core_attention: str, norm: str, rope: str,
                           "apply to it")
     if norm not in ("default", "litespark"):
         raise ConfigError(f"unknown Litespark norm '{norm}'; choose 'default' or 'litespark'")
-    if rope not in ("default", "litespark"):
-        raise ConfigError(f"unknown Litespark RoPE '{rope}'; choose 'default' or 'litespark'")
-    if rope == "litespark" and (multi_latent_attention or nsa is not None):
+    if rope not in ("default", "litespark", "litespark-fp8-grad"):
+        raise ConfigError(f"unknown Litespark RoPE '{rope}'; choose 'default', 'litespark' or 'litespark-fp8-grad'")
+    if rope != "default" and (multi_latent_attention or nsa is not None):
         raise ConfigError("Litespark's QKV split + RoPE builds the dense GQA attention's query, key and value; MLA "
                           "and native sparse attention build their own")
     if swiglu not in ("default", "litespark"):
@@ -95,7 +95,8 @@ def get_litespark_layer_spec(backend: str = "local", multi_latent_attention: boo
     norm "litespark" (--litespark-rmsnorm): every norm is a LitesparkRMSNorm running Litespark's kernel
     (kernels/rms_norm.py), on te a module of its own before plain TE linears, its keys mapped to the fused ones.
     rope "litespark" (--litespark-rope): the Litespark attention splits the QKV output and applies RoPE with
-    Litespark's kernels (kernels/qkv_rope.py) instead of megatron-core's split and TE's RoPE.
+    Litespark's kernels (kernels/qkv_rope.py) instead of megatron-core's split and TE's RoPE; "litespark-fp8-grad"
+    (--litespark-rope-fp8-grad, te) the same, its backward writing the QKV GEMM's FP8 output gradient under FP8.
     adapters (--peft lora|dora): the linears get LoRA/DoRA adapters after the model is built (peft.py), which read
     the linear's input; on te the norms before QKV and fc1 are then modules of their own (TENorm) before plain TE
     linears, their keys mapped to the fused ones, so the adapters see the normed input.

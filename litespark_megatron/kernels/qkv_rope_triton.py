@@ -1,8 +1,12 @@
 """The Triton kernels of Litespark's QKV split + RoPE (qkv_rope.py): a program per (token, query group), the group's
-query heads, key and value in one block each. cos and sin of the angles come in as [s, d] fp32 tensors (torch's,
-as the reference's). Imported only where Triton runs (a CUDA device, or Triton's interpreter in the tests)."""
+query heads, key and value in one block each; the backward that writes FP8 a program per (32 tokens, query group),
+whose column-major store is then a sector per channel. cos and sin of the angles come in as [s, d] fp32 tensors
+(torch's, as the reference's). Imported only where Triton runs (a CUDA device, or Triton's interpreter in the
+tests)."""
 import triton
 import triton.language as tl
+
+from .fp8_bytes_triton import _store_both
 
 
 def heads_block(heads_per_group: int) -> int:
@@ -97,3 +101,67 @@ def qkv_rope_backward(dq_ptr, dk_ptr, dv_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k
 
     whole = tl.arange(0, d)
     tl.store(key + d + whole, tl.load(dv_ptr + (token * groups + group) * d + whole))
+
+
+# (tokens, warps) of a program of the FP8 backward: 32 tokens make the column-major store of each channel 32 bytes,
+# one whole sector (as the FP8 SwiGLU's tiles).
+FP8_BACKWARD_TILE = (32, 4)
+
+
+def fp8_grid(tokens: int, groups: int):
+    return (triton.cdiv(tokens, FP8_BACKWARD_TILE[0]), groups)
+
+
+@triton.jit
+def _store_rotated_back(g_ptr, cos_ptr, sin_ptr, angle, r, cols, in_rows, scale, amax, row_ptr, col_ptr, tokens,
+                        row_width, col_offset, half: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+                        BIAS: tl.constexpr):
+    """One head's gradient [tokens, d] at g_ptr (rows of d) rotated back (first half g1 * c1 + g2 * s2, second half
+    g2 * c2 - g1 * s1) and stored in both FP8 layouts at column col_offset; the running amax returned."""
+    g1 = tl.load(g_ptr, mask=in_rows, other=0.0).to(tl.float32)
+    g2 = tl.load(g_ptr + half, mask=in_rows, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + angle, mask=in_rows, other=0.0)
+    s1 = tl.load(sin_ptr + angle, mask=in_rows, other=0.0)
+    c2 = tl.load(cos_ptr + angle + half, mask=in_rows, other=0.0)
+    s2 = tl.load(sin_ptr + angle + half, mask=in_rows, other=0.0)
+    first = g1 * c1 + g2 * s2
+    second = g2 * c2 - g1 * s1
+    _store_both(first, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, cols, tokens, half, row_width, col_offset)
+    _store_both(second, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, cols, tokens, half, row_width,
+                col_offset + half)
+    return tl.maximum(amax, tl.maximum(tl.max(tl.max(tl.abs(first), 1), 0), tl.max(tl.max(tl.abs(second), 1), 0)))
+
+
+@triton.jit
+def qkv_rope_backward_fp8(dq_ptr, dk_ptr, dv_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, row_ptr, col_ptr,
+                          scale_ptr, amax_ptr, scale_inv_ptr, tokens, batch, groups,
+                          heads_per_group: tl.constexpr, d: tl.constexpr, FP8_MAX: tl.constexpr,
+                          MANTISSA: tl.constexpr, BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """qkv_rope_backward's gradient in FP8, both layouts: [tokens, groups * (heads_per_group + 2) * d] row-major (the
+    QKV GEMM's output gradient for its input's gradient) and its transpose (for its weight's), a program per
+    (BLOCK_ROWS tokens, query group); the tile's max |value| maxed into amax, 1 / scale written by the first."""
+    half: tl.constexpr = d // 2
+    width: tl.constexpr = (heads_per_group + 2) * d
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, half)
+    in_rows = (r < tokens)[:, None]
+    angle = (r // batch)[:, None] * d + cols[None, :]
+    row_width = groups * width
+    base = group * width
+    scale = tl.load(scale_ptr)
+    amax = tl.zeros([], dtype=tl.float32)
+    for h in tl.static_range(heads_per_group):
+        src = dq_ptr + ((r * groups + group) * heads_per_group + h)[:, None] * d + cols[None, :]
+        amax = _store_rotated_back(src, q_cos_ptr, q_sin_ptr, angle, r, cols, in_rows, scale, amax, row_ptr, col_ptr,
+                                   tokens, row_width, base + h * d, half, FP8_MAX, MANTISSA, BIAS)
+    src = dk_ptr + (r * groups + group)[:, None] * d + cols[None, :]
+    amax = _store_rotated_back(src, k_cos_ptr, k_sin_ptr, angle, r, cols, in_rows, scale, amax, row_ptr, col_ptr,
+                               tokens, row_width, base + heads_per_group * d, half, FP8_MAX, MANTISSA, BIAS)
+    whole = tl.arange(0, d)
+    dv = tl.load(dv_ptr + (r * groups + group)[:, None] * d + whole[None, :], mask=in_rows, other=0.0).to(tl.float32)
+    _store_both(dv, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, whole, tokens, d, row_width,
+                base + (heads_per_group + 1) * d)
+    tl.atomic_max(amax_ptr, tl.maximum(amax, tl.max(tl.max(tl.abs(dv), 1), 0)))
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_inv_ptr, 1.0 / scale)

@@ -80,6 +80,20 @@ def fp8_input_quantizer(linear):
     return found if isinstance(found, Float8Quantizer) and getattr(linear, "fp8", False) else None
 
 
+def fp8_grad_output_quantizer(linear):
+    """The output-gradient quantizer of a Transformer Engine linear whose last forward ran in FP8 under delayed
+    scaling (TE's Float8Quantizer: a scale to read, an amax to max into), for a kernel that writes that gradient in
+    FP8 itself; else None (BF16, a layer kept in BF16, another recipe, not TE). Called after the linear's forward,
+    which set its FP8 state up."""
+    if not (hasattr(linear, "quantizers") and getattr(linear, "fp8", False)) or not delayed_scaling_fp8():
+        return None
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+    import transformer_engine_torch as tex
+
+    found = module_quantizer(linear, "scaling_bwd", tex.FP8BwdTensors.GRAD_OUTPUT1)
+    return found if isinstance(found, Float8Quantizer) else None
+
+
 def drop_row_major(t) -> None:
     """Free the row-major data of a Float8Tensor once its GEMM ran: what a TE linear saves of its input for the weight
     gradient is the tensor object itself, whose column-major data is all that gradient reads (on Hopper; where TE

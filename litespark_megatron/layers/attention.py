@@ -28,8 +28,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..kernels.qkv_rope import qkv_rope
-from ..kernels.te_fp8 import drop_row_major_if_quantized
+from ..kernels.qkv_rope import qkv_rope, qkv_rope_fp8_grad
+from ..kernels.te_fp8 import drop_row_major_if_quantized, fp8_grad_output_quantizer, rows_of
 from .elementwise import rope
 from .prefix_attention import prefix_causal_attention
 
@@ -90,18 +90,24 @@ class LitesparkCoreAttention(MegatronModule):
         return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+ROPE_KERNELS = ("default", "litespark", "litespark-fp8-grad")
+
+
 class LitesparkSelfAttention(SelfAttention):
     """Causal self-attention with the training forward written out; see the module docstring."""
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.causal,
                  cp_comm_type: Optional[str] = None, pg_collection=None, rope_kernel: str = "default", **unused):
         """rope_kernel "litespark" (--litespark-rope): the QKV output split and rotated by Litespark's kernels
-        (kernels/qkv_rope.py); "default": megatron-core's split and RoPE (TE's fused kernel where configured)."""
+        (kernels/qkv_rope.py); "litespark-fp8-grad" (--litespark-rope-fp8-grad): the same, and where the QKV GEMM
+        runs in FP8 under delayed scaling the backward writes its FP8 output gradient; "default": megatron-core's
+        split and RoPE (TE's fused kernel where configured)."""
+        if rope_kernel not in ROPE_KERNELS:
+            raise ValueError(f"unknown RoPE kernel '{rope_kernel}'; choose one of {', '.join(ROPE_KERNELS)}")
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        if rope_kernel not in ("default", "litespark"):
-            raise ValueError(f"unknown RoPE kernel '{rope_kernel}'; choose 'default' or 'litespark'")
         self.rope_kernel = rope_kernel
+        self.rope_fp8_grad_ran = False  # the last forward's gradient is written in FP8 (the run's health record)
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, attention_bias=None, packed_seq_params=None, **kwargs):
@@ -110,20 +116,38 @@ class LitesparkSelfAttention(SelfAttention):
                                    inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params,
                                    **kwargs)
-        if self.rope_kernel == "litespark" and rotary_pos_emb is not None:
+        if self.rope_kernel != "default" and rotary_pos_emb is not None:
             if packed_seq_params is not None:
                 raise ValueError("--litespark-rope with packed sequences: the kernel rotates one sequence per sample; "
                                  "drop the flag for packed data")
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            mixed, _ = self.get_query_key_value_tensors(hidden_states, split_qkv=False)
             heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-            query, key, value = qkv_rope(mixed, q_freqs, k_freqs, heads_per_group)
+            if self.rope_kernel == "litespark-fp8-grad":
+                query, key, value = self._rows_and_rotate(hidden_states, q_freqs, k_freqs, heads_per_group)
+            else:
+                mixed, _ = self.get_query_key_value_tensors(hidden_states, split_qkv=False)
+                query, key, value = qkv_rope(mixed, q_freqs, k_freqs, heads_per_group)
         else:
             query, key, value = self._split_and_rotate(hidden_states, rotary_pos_emb, packed_seq_params)
         # an FP8 norm's output (layers/norm.py): the QKV GEMM keeps it for its weight gradient, which reads only the
         # column-major layout
         drop_row_major_if_quantized(hidden_states)
         return self._attend(query, key, value, attention_mask, attention_bias, packed_seq_params)
+
+    def _rows_and_rotate(self, hidden_states, q_freqs, k_freqs, heads_per_group: int):
+        """The QKV GEMM on [tokens, hidden] rows (a view; an FP8 norm's output keeps both layouts), then Litespark's
+        split + RoPE, whose backward writes the GEMM's FP8 output gradient in both layouts where the GEMM runs in FP8
+        under delayed scaling (TE keeps a gradient's column-major layout only where its shape is the output's)."""
+        batch, groups = hidden_states.size(1), self.num_query_groups_per_partition
+        rows = rows_of(hidden_states)
+        mixed, _ = self.linear_qkv(rows)
+        drop_row_major_if_quantized(rows)
+        quantizer = fp8_grad_output_quantizer(self.linear_qkv) if mixed.is_cuda else None
+        self.rope_fp8_grad_ran = quantizer is not None
+        if quantizer is not None:
+            return qkv_rope_fp8_grad(mixed, batch, groups, q_freqs, k_freqs, heads_per_group, quantizer)
+        mixed = mixed.view(mixed.size(0) // batch, batch, groups, mixed.size(1) // groups)
+        return qkv_rope(mixed, q_freqs, k_freqs, heads_per_group)
 
     def _split_and_rotate(self, hidden_states, rotary_pos_emb, packed_seq_params):
         """megatron-core's split of the QKV output, then RoPE (TE's fused kernel where configured)."""

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
 from ..kernels.swiglu_fp8 import swiglu_fp8_path, swiglu_to_fp8
-from ..kernels.te_fp8 import (delayed_scaling_fp8, drop_row_major, drop_row_major_if_quantized, module_quantizer,
-                              rows_of)
+from ..kernels.te_fp8 import (delayed_scaling_fp8, drop_row_major, drop_row_major_if_quantized,
+                              fp8_grad_output_quantizer, module_quantizer, rows_of)
 from . import elementwise
 
 
@@ -85,14 +85,13 @@ def fp8_swiglu_quantizers(fc1, fc2):
     (Transformer Engine's Float8Quantizer: a scale to read, an amax to max into), else None: BF16, a layer megatron
     keeps in BF16 (--first-last-layers-bf16), another recipe, the local backend. Called after fc1's forward, which
     set fc1's up; fc2's FP8 state is set up here as its own forward would (the call is idempotent)."""
-    if not (hasattr(fc1, "quantizers") and hasattr(fc2, "init_fp8_metadata")) or not delayed_scaling_fp8():
+    if not hasattr(fc2, "init_fp8_metadata") or not delayed_scaling_fp8():
         return None
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
     import transformer_engine_torch as tex
 
     fc2.init_fp8_metadata()
-    found = (module_quantizer(fc2, "scaling_fwd", tex.FP8FwdTensors.GEMM1_INPUT),
-             module_quantizer(fc1, "scaling_bwd", tex.FP8BwdTensors.GRAD_OUTPUT1))
+    found = (module_quantizer(fc2, "scaling_fwd", tex.FP8FwdTensors.GEMM1_INPUT), fp8_grad_output_quantizer(fc1))
     return found if all(isinstance(q, Float8Quantizer) for q in found) else None
 
 
