@@ -85,9 +85,10 @@ def _forward_triton(mixed, cos_sin, heads_per_group: int):
     mixed = mixed.contiguous()
     query = mixed.new_empty(s, b, groups * heads_per_group, d)
     key, value = mixed.new_empty(s, b, groups, d), mixed.new_empty(s, b, groups, d)
-    kernels.qkv_rope_forward[(s * b, groups)](
-        mixed, *cos_sin, query, key, value, b, groups, heads_per_group, d,
-        HEADS=kernels.heads_block(heads_per_group), num_warps=kernels.warps(heads_per_group, d))
+    rows_per_program, warps = kernels.TILE
+    kernels.qkv_rope_forward[kernels.grid(s * b, kernels.TILE)](
+        mixed, *cos_sin, query, key, value, s * b, b, groups, heads_per_group, d, BLOCK_ROWS=rows_per_program,
+        num_warps=warps)
     return query, key, value
 
 
@@ -110,9 +111,10 @@ class _TritonQKVRoPE(torch.autograd.Function):
         p = ctx.heads_per_group
         d = width // (p + 2)
         d_mixed = d_query.new_empty(ctx.shape)
-        kernels.qkv_rope_backward[(s * b, groups)](
-            d_query.contiguous(), d_key.contiguous(), d_value.contiguous(), *ctx.cos_sin, d_mixed, b, groups, p, d,
-            HEADS=kernels.heads_block(p), num_warps=kernels.warps(p, d))
+        rows_per_program, warps = kernels.TILE
+        kernels.qkv_rope_backward[kernels.grid(s * b, kernels.TILE)](
+            d_query.contiguous(), d_key.contiguous(), d_value.contiguous(), *ctx.cos_sin, d_mixed, s * b, b, groups,
+            p, d, BLOCK_ROWS=rows_per_program, num_warps=warps)
         return d_mixed, None, None, None
 
 
@@ -163,7 +165,7 @@ def qkv_rope_grad_fp8_triton(d_query, d_key, d_value, q_freqs, k_freqs, heads_pe
     col = torch.empty(n, tokens, device=d_key.device, dtype=torch.uint8)
     scale_inv = torch.empty(1, device=d_key.device, dtype=torch.float32)
     rows_per_program, warps = kernels.FP8_BACKWARD_TILE
-    kernels.qkv_rope_backward_fp8[kernels.fp8_grid(tokens, groups)](
+    kernels.qkv_rope_backward_fp8[kernels.grid(tokens, kernels.FP8_BACKWARD_TILE)](
         d_query.contiguous(), d_key.contiguous(), d_value.contiguous(), *_cos_sin(q_freqs, k_freqs, s, d), row, col,
         scale, amax, scale_inv, tokens, b, groups, heads_per_group, d, *format_arguments(dtype),
         BLOCK_ROWS=rows_per_program, num_warps=warps)

@@ -1,134 +1,112 @@
-"""The Triton kernels of Litespark's QKV split + RoPE (qkv_rope.py): a program per (token, query group), the group's
-query heads, key and value in one block each; the backward that writes FP8 a program per (32 tokens, query group),
-whose column-major store is then a sector per channel. cos and sin of the angles come in as [s, d] fp32 tensors
-(torch's, as the reference's). Imported only where Triton runs (a CUDA device, or Triton's interpreter in the
-tests)."""
+"""The Triton kernels of Litespark's QKV split + RoPE (qkv_rope.py). A program takes a block of tokens (rows of the
+[s * b] token order): it reads the block's cos and sin once, then walks the query groups, each query head, the key
+and the value a [tokens, d / 2] tile per half. cos and sin of the angles come in as [s, d] fp32 tensors (torch's, as
+the reference's). The backward that writes FP8 stores each tile twice, row-major and column-major (the block's
+tokens then make each channel's column-major piece). Imported only where Triton runs (a CUDA device, or Triton's
+interpreter in the tests).
+
+Why blocks of tokens: the first version ran a program per (token, group) and read the tables again for each group
+and head, as many bytes as the data itself (from L2): its kernels moved ~2.3 TB/s where a RoPE that reads its tables
+once per token moves ~4 (docs/benchmarks/2026-11-28-best-micro-batch-rope-fp8-grad-h200.md)."""
 import triton
 import triton.language as tl
 
 from .fp8_bytes_triton import _store_both
 
-
-def heads_block(heads_per_group: int) -> int:
-    return triton.next_power_of_2(heads_per_group)
-
-
-def warps(heads_per_group: int, head_size: int) -> int:
-    """A group's (heads_per_group + 2) * head_size values (640 for Llama-3.2-3B's 3 query heads of 128) fit 4 warps
-    at a few per thread; larger groups take 8."""
-    return 4 if (heads_per_group + 2) * head_size <= 1024 else 8
-
-
-@triton.jit
-def _cos_sin(cos_ptr, sin_ptr, angle, cols, half: tl.constexpr):
-    """A token's cos and sin, first half (c1, s1) and second half (c2, s2). Read from torch's tensors rather than
-    taken with tl.cos/tl.sin here: every program of a token would compute them again, and fp32 sin/cos of angles up
-    to the sequence length cost more than the kernel's whole memory traffic (the RoPE time doubled)."""
-    c1 = tl.load(cos_ptr + angle + cols)
-    s1 = tl.load(sin_ptr + angle + cols)
-    c2 = tl.load(cos_ptr + angle + half + cols)
-    s2 = tl.load(sin_ptr + angle + half + cols)
-    return c1, s1, c2, s2
-
-
-@triton.jit
-def qkv_rope_forward(mixed_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, q_ptr, k_ptr, v_ptr, batch, groups,
-                     heads_per_group: tl.constexpr, d: tl.constexpr, HEADS: tl.constexpr):
-    """mixed [tokens, groups, (heads_per_group + 2) * d] -> query [tokens, groups * heads_per_group, d] and key
-    [tokens, groups, d] rotated (first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin, in fp32), value
-    [tokens, groups, d] copied. Token t is position t // batch of the [s, b] layout."""
-    half: tl.constexpr = d // 2
-    token = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1).to(tl.int64)
-    angle = (token // batch) * d
-    cols = tl.arange(0, half)
-    heads = tl.arange(0, HEADS)
-    in_group = (heads < heads_per_group)[:, None]
-    src = mixed_ptr + (token * groups + group) * (heads_per_group + 2) * d
-
-    offsets = heads[:, None] * d + cols[None, :]
-    c1, s1, c2, s2 = _cos_sin(q_cos_ptr, q_sin_ptr, angle, cols, half)
-    c1, s1, c2, s2 = c1[None, :], s1[None, :], c2[None, :], s2[None, :]
-    x1 = tl.load(src + offsets, mask=in_group, other=0.0).to(tl.float32)
-    x2 = tl.load(src + offsets + half, mask=in_group, other=0.0).to(tl.float32)
-    dst = q_ptr + (token * groups + group) * heads_per_group * d
-    tl.store(dst + offsets, (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty), mask=in_group)
-    tl.store(dst + offsets + half, (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty), mask=in_group)
-
-    key = src + heads_per_group * d
-    c1, s1, c2, s2 = _cos_sin(k_cos_ptr, k_sin_ptr, angle, cols, half)
-    x1 = tl.load(key + cols).to(tl.float32)
-    x2 = tl.load(key + half + cols).to(tl.float32)
-    dst = k_ptr + (token * groups + group) * d
-    tl.store(dst + cols, (x1 * c1 - x2 * s1).to(k_ptr.dtype.element_ty))
-    tl.store(dst + half + cols, (x2 * c2 + x1 * s2).to(k_ptr.dtype.element_ty))
-
-    whole = tl.arange(0, d)
-    tl.store(v_ptr + (token * groups + group) * d + whole, tl.load(key + d + whole))
-
-
-@triton.jit
-def qkv_rope_backward(dq_ptr, dk_ptr, dv_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, d_mixed_ptr, batch, groups,
-                      heads_per_group: tl.constexpr, d: tl.constexpr, HEADS: tl.constexpr):
-    """The forward's transpose: the rotation's inverse (first half dy1 * cos + dy2 * sin, second half dy2 * cos -
-    dy1 * sin, with each half's own cos and sin) of the query's and key's gradients and the value's gradient, written
-    into the projection's [tokens, groups, (heads_per_group + 2) * d] layout."""
-    half: tl.constexpr = d // 2
-    token = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1).to(tl.int64)
-    angle = (token // batch) * d
-    cols = tl.arange(0, half)
-    heads = tl.arange(0, HEADS)
-    in_group = (heads < heads_per_group)[:, None]
-    dst = d_mixed_ptr + (token * groups + group) * (heads_per_group + 2) * d
-
-    offsets = heads[:, None] * d + cols[None, :]
-    c1, s1, c2, s2 = _cos_sin(q_cos_ptr, q_sin_ptr, angle, cols, half)
-    c1, s1, c2, s2 = c1[None, :], s1[None, :], c2[None, :], s2[None, :]
-    src = dq_ptr + (token * groups + group) * heads_per_group * d
-    g1 = tl.load(src + offsets, mask=in_group, other=0.0).to(tl.float32)
-    g2 = tl.load(src + offsets + half, mask=in_group, other=0.0).to(tl.float32)
-    tl.store(dst + offsets, (g1 * c1 + g2 * s2).to(d_mixed_ptr.dtype.element_ty), mask=in_group)
-    tl.store(dst + offsets + half, (g2 * c2 - g1 * s1).to(d_mixed_ptr.dtype.element_ty), mask=in_group)
-
-    key = dst + heads_per_group * d
-    c1, s1, c2, s2 = _cos_sin(k_cos_ptr, k_sin_ptr, angle, cols, half)
-    src = dk_ptr + (token * groups + group) * d
-    g1 = tl.load(src + cols).to(tl.float32)
-    g2 = tl.load(src + half + cols).to(tl.float32)
-    tl.store(key + cols, (g1 * c1 + g2 * s2).to(d_mixed_ptr.dtype.element_ty))
-    tl.store(key + half + cols, (g2 * c2 - g1 * s1).to(d_mixed_ptr.dtype.element_ty))
-
-    whole = tl.arange(0, d)
-    tl.store(key + d + whole, tl.load(dv_ptr + (token * groups + group) * d + whole))
-
-
-# (tokens, warps) of a program of the FP8 backward: 32 tokens make the column-major store of each channel 32 bytes,
-# one whole sector (as the FP8 SwiGLU's tiles).
+# (tokens, warps) of a program, the fastest of a sweep on an H200 (llama-3b at 16,384 tokens; the file above): the
+# bf16 kernels at 3.5 TB/s with 8 tokens; the FP8 backward with 32, whose column-major store is then a sector per
+# channel (with 8 tokens a quarter of one, 1.3x slower).
+TILE = (8, 4)
 FP8_BACKWARD_TILE = (32, 4)
 
 
-def fp8_grid(tokens: int, groups: int):
-    return (triton.cdiv(tokens, FP8_BACKWARD_TILE[0]), groups)
+def grid(tokens: int, tile) -> tuple:
+    return (triton.cdiv(tokens, tile[0]),)
 
 
 @triton.jit
-def _store_rotated_back(g_ptr, cos_ptr, sin_ptr, angle, r, cols, in_rows, scale, amax, row_ptr, col_ptr, tokens,
-                        row_width, col_offset, half: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
-                        BIAS: tl.constexpr):
-    """One head's gradient [tokens, d] at g_ptr (rows of d) rotated back (first half g1 * c1 + g2 * s2, second half
-    g2 * c2 - g1 * s1) and stored in both FP8 layouts at column col_offset; the running amax returned."""
-    g1 = tl.load(g_ptr, mask=in_rows, other=0.0).to(tl.float32)
-    g2 = tl.load(g_ptr + half, mask=in_rows, other=0.0).to(tl.float32)
+def _tables(cos_ptr, sin_ptr, angle, in_rows, half: tl.constexpr):
+    """The block's cos and sin, first half (c1, s1) and second half (c2, s2), [tokens, d / 2] each."""
     c1 = tl.load(cos_ptr + angle, mask=in_rows, other=0.0)
     s1 = tl.load(sin_ptr + angle, mask=in_rows, other=0.0)
     c2 = tl.load(cos_ptr + angle + half, mask=in_rows, other=0.0)
     s2 = tl.load(sin_ptr + angle + half, mask=in_rows, other=0.0)
-    first = g1 * c1 + g2 * s2
-    second = g2 * c2 - g1 * s1
-    _store_both(first, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, cols, tokens, half, row_width, col_offset)
-    _store_both(second, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, cols, tokens, half, row_width,
-                col_offset + half)
+    return c1, s1, c2, s2
+
+
+@triton.jit
+def _rotated(x_ptr, in_rows, c1, s1, c2, s2, half: tl.constexpr, FORWARD: tl.constexpr):
+    """One head's two halves at x_ptr ([tokens, d / 2] pointers to the first) rotated in fp32: forward x1 * c1 -
+    x2 * s1 and x2 * c2 + x1 * s2; backward (the transpose) g1 * c1 + g2 * s2 and g2 * c2 - g1 * s1."""
+    x1 = tl.load(x_ptr, mask=in_rows, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + half, mask=in_rows, other=0.0).to(tl.float32)
+    if FORWARD:
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+
+
+@triton.jit
+def qkv_rope_forward(mixed_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, q_ptr, k_ptr, v_ptr, tokens, batch,
+                     groups, heads_per_group: tl.constexpr, d: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """mixed [tokens, groups, (heads_per_group + 2) * d] -> query [tokens, groups * heads_per_group, d] and key
+    [tokens, groups, d] rotated, value [tokens, groups, d] copied. Token t is position t // batch of the [s, b]
+    layout."""
+    half: tl.constexpr = d // 2
+    width: tl.constexpr = (heads_per_group + 2) * d
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_rows = (r < tokens)[:, None]
+    cols = tl.arange(0, half)[None, :]
+    whole = tl.arange(0, d)[None, :]
+    angle = (r // batch)[:, None] * d + cols
+    qc1, qs1, qc2, qs2 = _tables(q_cos_ptr, q_sin_ptr, angle, in_rows, half)
+    kc1, ks1, kc2, ks2 = _tables(k_cos_ptr, k_sin_ptr, angle, in_rows, half)
+    for g in range(groups):
+        row = r[:, None] * groups + g
+        src = mixed_ptr + row * width
+        for h in tl.static_range(heads_per_group):
+            first, second = _rotated(src + h * d + cols, in_rows, qc1, qs1, qc2, qs2, half, True)
+            dst = q_ptr + (row * heads_per_group + h) * d + cols
+            tl.store(dst, first.to(q_ptr.dtype.element_ty), mask=in_rows)
+            tl.store(dst + half, second.to(q_ptr.dtype.element_ty), mask=in_rows)
+        first, second = _rotated(src + heads_per_group * d + cols, in_rows, kc1, ks1, kc2, ks2, half, True)
+        tl.store(k_ptr + row * d + cols, first.to(k_ptr.dtype.element_ty), mask=in_rows)
+        tl.store(k_ptr + row * d + half + cols, second.to(k_ptr.dtype.element_ty), mask=in_rows)
+        tl.store(v_ptr + row * d + whole, tl.load(src + (heads_per_group + 1) * d + whole, mask=in_rows),
+                 mask=in_rows)
+
+
+@triton.jit
+def qkv_rope_backward(dq_ptr, dk_ptr, dv_ptr, q_cos_ptr, q_sin_ptr, k_cos_ptr, k_sin_ptr, d_mixed_ptr, tokens,
+                      batch, groups, heads_per_group: tl.constexpr, d: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """The forward's transpose: the query's and key's gradients rotated back and the value's gradient, written
+    into the projection's [tokens, groups, (heads_per_group + 2) * d] layout."""
+    half: tl.constexpr = d // 2
+    width: tl.constexpr = (heads_per_group + 2) * d
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_rows = (r < tokens)[:, None]
+    cols = tl.arange(0, half)[None, :]
+    whole = tl.arange(0, d)[None, :]
+    angle = (r // batch)[:, None] * d + cols
+    qc1, qs1, qc2, qs2 = _tables(q_cos_ptr, q_sin_ptr, angle, in_rows, half)
+    kc1, ks1, kc2, ks2 = _tables(k_cos_ptr, k_sin_ptr, angle, in_rows, half)
+    out_ty = d_mixed_ptr.dtype.element_ty
+    for g in range(groups):
+        row = r[:, None] * groups + g
+        dst = d_mixed_ptr + row * width
+        for h in tl.static_range(heads_per_group):
+            first, second = _rotated(dq_ptr + (row * heads_per_group + h) * d + cols, in_rows, qc1, qs1, qc2, qs2,
+                                     half, False)
+            tl.store(dst + h * d + cols, first.to(out_ty), mask=in_rows)
+            tl.store(dst + h * d + half + cols, second.to(out_ty), mask=in_rows)
+        first, second = _rotated(dk_ptr + row * d + cols, in_rows, kc1, ks1, kc2, ks2, half, False)
+        tl.store(dst + heads_per_group * d + cols, first.to(out_ty), mask=in_rows)
+        tl.store(dst + heads_per_group * d + half + cols, second.to(out_ty), mask=in_rows)
+        tl.store(dst + (heads_per_group + 1) * d + whole, tl.load(dv_ptr + row * d + whole, mask=in_rows),
+                 mask=in_rows)
+
+
+@triton.jit
+def _amax(amax, first, second):
     return tl.maximum(amax, tl.maximum(tl.max(tl.max(tl.abs(first), 1), 0), tl.max(tl.max(tl.abs(second), 1), 0)))
 
 
@@ -138,30 +116,44 @@ def qkv_rope_backward_fp8(dq_ptr, dk_ptr, dv_ptr, q_cos_ptr, q_sin_ptr, k_cos_pt
                           heads_per_group: tl.constexpr, d: tl.constexpr, FP8_MAX: tl.constexpr,
                           MANTISSA: tl.constexpr, BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """qkv_rope_backward's gradient in FP8, both layouts: [tokens, groups * (heads_per_group + 2) * d] row-major (the
-    QKV GEMM's output gradient for its input's gradient) and its transpose (for its weight's), a program per
-    (BLOCK_ROWS tokens, query group); the tile's max |value| maxed into amax, 1 / scale written by the first."""
+    QKV GEMM's output gradient for its input's gradient) and its transpose (for its weight's); the block's max
+    |value| maxed into amax, 1 / scale written by the first program."""
     half: tl.constexpr = d // 2
     width: tl.constexpr = (heads_per_group + 2) * d
     r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    group = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, half)
     in_rows = (r < tokens)[:, None]
-    angle = (r // batch)[:, None] * d + cols[None, :]
+    c = tl.arange(0, half)
+    cols = c[None, :]
+    angle = (r // batch)[:, None] * d + cols
+    qc1, qs1, qc2, qs2 = _tables(q_cos_ptr, q_sin_ptr, angle, in_rows, half)
+    kc1, ks1, kc2, ks2 = _tables(k_cos_ptr, k_sin_ptr, angle, in_rows, half)
     row_width = groups * width
-    base = group * width
     scale = tl.load(scale_ptr)
     amax = tl.zeros([], dtype=tl.float32)
-    for h in tl.static_range(heads_per_group):
-        src = dq_ptr + ((r * groups + group) * heads_per_group + h)[:, None] * d + cols[None, :]
-        amax = _store_rotated_back(src, q_cos_ptr, q_sin_ptr, angle, r, cols, in_rows, scale, amax, row_ptr, col_ptr,
-                                   tokens, row_width, base + h * d, half, FP8_MAX, MANTISSA, BIAS)
-    src = dk_ptr + (r * groups + group)[:, None] * d + cols[None, :]
-    amax = _store_rotated_back(src, k_cos_ptr, k_sin_ptr, angle, r, cols, in_rows, scale, amax, row_ptr, col_ptr,
-                               tokens, row_width, base + heads_per_group * d, half, FP8_MAX, MANTISSA, BIAS)
-    whole = tl.arange(0, d)
-    dv = tl.load(dv_ptr + (r * groups + group)[:, None] * d + whole[None, :], mask=in_rows, other=0.0).to(tl.float32)
-    _store_both(dv, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, whole, tokens, d, row_width,
-                base + (heads_per_group + 1) * d)
-    tl.atomic_max(amax_ptr, tl.maximum(amax, tl.max(tl.max(tl.abs(dv), 1), 0)))
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    for g in range(groups):
+        row = r[:, None] * groups + g
+        base = g * width
+        for h in tl.static_range(heads_per_group):
+            first, second = _rotated(dq_ptr + (row * heads_per_group + h) * d + cols, in_rows, qc1, qs1, qc2, qs2,
+                                     half, False)
+            _store_both(first, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, tokens, half, row_width,
+                        base + h * d)
+            _store_both(second, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, tokens, half, row_width,
+                        base + h * d + half)
+            amax = _amax(amax, first, second)
+        first, second = _rotated(dk_ptr + row * d + cols, in_rows, kc1, ks1, kc2, ks2, half, False)
+        _store_both(first, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, tokens, half, row_width,
+                    base + heads_per_group * d)
+        _store_both(second, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, tokens, half, row_width,
+                    base + heads_per_group * d + half)
+        amax = _amax(amax, first, second)
+        value = tl.load(dv_ptr + row * d + cols, mask=in_rows, other=0.0).to(tl.float32)
+        value2 = tl.load(dv_ptr + row * d + half + cols, mask=in_rows, other=0.0).to(tl.float32)
+        _store_both(value, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, tokens, half, row_width,
+                    base + (heads_per_group + 1) * d)
+        _store_both(value2, scale, FP8_MAX, MANTISSA, BIAS, row_ptr, col_ptr, r, c, tokens, half, row_width,
+                    base + (heads_per_group + 1) * d + half)
+        amax = _amax(amax, value, value2)
+    tl.atomic_max(amax_ptr, amax)
+    if tl.program_id(0) == 0:
         tl.store(scale_inv_ptr, 1.0 / scale)
