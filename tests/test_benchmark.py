@@ -291,6 +291,13 @@ def test_hf_config_has_the_preset_shape():
     (["--variant", "v=litespark-fp8:--fp8-recipe nope"],
      "--variant v: argument --fp8-recipe: invalid choice: 'nope'"),
     (["--variant", "v=litespark-fp8:--bogus"], "--variant v: unrecognized arguments: --bogus"),
+    (["--warmup", "3", "--variant", "g=litespark-fp8:--cuda-graph-impl transformer_engine"],
+     "g captures CUDA graphs (--cuda-graph-impl transformer_engine) in step 4 (--cuda-graph-warmup-steps 3), and "
+     "--warmup 3 would time the capture; give --warmup 4 or more"),
+    (["--warmup", "2", "--systems", "stock-te-bf16",
+      "--megatron-flags=--cuda-graph-impl local --cuda-graph-warmup-steps 2"],
+     "stock-te-bf16 captures CUDA graphs (--cuda-graph-impl local) in step 3 (--cuda-graph-warmup-steps 2), and "
+     "--warmup 2 would time the capture; give --warmup 3 or more"),
     (["--variant", "v=litespark-bf16:--num-layers 3 --micro-batch-size 1"],
      "--variant v: changes --num-layers, --micro-batch-size, which the benchmark sets"),
 ])
@@ -322,6 +329,11 @@ def test_parser_defaults_match_the_documented_run():
                                              "b=litespark-fp8:--litespark-cross-entropy"])) == ["a", "b"]
     assert benchmark.micro_batch_plan(SimpleNamespace(best_micro_batch=True, micro_batch_size=None,
                                                       global_batch_size=12)) == (12, [1, 2, 4])
+    # CUDA graphs captured inside the warm-up (step 4 by default) pass; systems without graphs need none.
+    graphs = benchmark.parse_systems("stock-te-bf16", ["g=litespark-fp8:--cuda-graph-impl transformer_engine"])
+    benchmark.check_graph_warmup(graphs, benchmark.base_flags(opts), SimpleNamespace(warmup=4, megatron_flags=""))
+    benchmark.check_graph_warmup(benchmark.parse_systems("stock-te-bf16"), benchmark.base_flags(opts),
+                                 SimpleNamespace(warmup=0, megatron_flags=""))
     # Chosen candidates: ascending, each tried at the same global batch (by default their largest).
     parse = benchmark.build_parser().parse_args
     assert benchmark.micro_batch_plan(parse(["--best-micro-batch", "--micro-batch-candidates", "8,4,4"])) == (8, [4, 8])
