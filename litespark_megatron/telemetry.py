@@ -326,13 +326,15 @@ class Telemetry:
         if self.cuda:
             interval = [now - before for now, before in
                         zip(allocator_counts(torch.cuda.memory_stats()), self._allocator_before)]
-            stats = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(), *interval],
-                                 dtype=torch.float64, device="cuda")
+            # the peak reserved: what the GPU held, CUDA graphs' private pools and cached blocks included
+            stats = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(),
+                                  torch.cuda.max_memory_reserved(), *interval], dtype=torch.float64, device="cuda")
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             torch.cuda.reset_peak_memory_stats()
             stats = stats.tolist()  # one copy to the host
             return dict(mem_max_allocated_gb=stats[0] / 2**30, mem_reserved_gb=stats[1] / 2**30,
-                        **{name: int(n) for name, n in zip(ALLOCATOR_COUNTS, stats[2:])})
+                        mem_max_reserved_gb=stats[2] / 2**30,
+                        **{name: int(n) for name, n in zip(ALLOCATOR_COUNTS, stats[3:])})
         import psutil
 
         return dict(host_rss_gb=psutil.Process().memory_info().rss / 2**30)

@@ -731,6 +731,11 @@ def test_a_row_whose_allocator_went_to_the_driver_in_the_timed_steps_says_so():
                             dict(device_mallocs=1, device_frees=0, alloc_retries=0)])
     assert note.startswith("the caching allocator in the timed steps: 4 cudaMalloc, 2 cudaFree, 1 out-of-memory "
                            "retries") and "synchronizes the device" in note
+    # the peak reserved beside the peak allocated (what CUDA graphs' pools and the cache add)
+    assert benchmark._reserved_note(131.25, 117.5) == (
+        "the caching allocator reserved 131.2 GiB at most beside 117.5 GiB allocated at most (reserved: what the GPU "
+        "held, cached blocks and CUDA graphs' pools included)")
+    assert benchmark._reserved_note(2.0, None).startswith("the caching allocator reserved 2.0 GiB at most (reserved")
     # torch.cuda.memory_stats' cumulative counters, in the order of the record's names
     assert allocator_counts({"num_device_alloc": 7, "num_device_free": 2, "num_alloc_retries": 1,
                              "allocated_bytes.all.current": 5}) == [7, 2, 1]

@@ -15,7 +15,8 @@ memory, compile caches and megatron-core's global state never carry over from on
 * tokens/s, and model TFLOP/s per GPU from the exact counter (`metrics.flops.training_flops_per_step`: logits
   included, attention counted in full, and also causal-halved);
 * MFU against the dense BF16 peak of the GPU (`metrics.peaks.detect_peak`, or `--peak-tflops`), also for FP8;
-* peak allocated GPU memory (`torch.cuda.max_memory_allocated`, the whole worker);
+* peak allocated GPU memory (`torch.cuda.max_memory_allocated`, the whole worker), and in the notes and the JSON the
+  peak reserved (`torch.cuda.max_memory_reserved`: cached blocks and CUDA graphs' pools included);
 * mean GPU power and J/token from NVML's total-energy counter over the timed steps only (`EnergyMeter`);
 * the tokens/s and J/token ratios to the HF eager baseline, and to the best stock row of the same precision: the
   fastest stock Megatron-Core row that did not fall back, a `--variant` of stock-te included (CUDA graphs, FP8
@@ -760,7 +761,7 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         if c["status"] == "ok":
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
                                                   "joules", "energy_seconds", "energy_note", "peak_mem_gib",
-                                                  "peak_mem_timed_gib", "loss_first", "loss_last", "params",
+                                                  "peak_mem_timed_gib", "peak_reserved_gib", "loss_first", "loss_last", "params",
                                                   "skipped_steps", "notes", "profile", "health")})
             entry.update(derive(c, flops[name], peak_tflops))
         results[name] = entry
@@ -975,6 +976,7 @@ def measure(step_fn: Callable[[], float], tokens_per_step: int, warmup: int, ste
     losses = [step_fn() for _ in range(warmup)]
     sync()
     peak_warmup = torch.cuda.max_memory_allocated() if cuda else None
+    peak_reserved_warmup = torch.cuda.max_memory_reserved() if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     meter, energy_note = None, None
@@ -1002,10 +1004,12 @@ def measure(step_fn: Callable[[], float], tokens_per_step: int, warmup: int, ste
         meter.close()
     out = dict(steps=steps, seconds=seconds, tokens_per_step=tokens_per_step, step_times_s=step_times,
                joules=joules, energy_seconds=energy_seconds, energy_note=energy_note,
-               loss_first=losses[0], loss_last=losses[-1], peak_mem_gib=None, peak_mem_timed_gib=None)
+               loss_first=losses[0], loss_last=losses[-1], peak_mem_gib=None, peak_mem_timed_gib=None,
+               peak_reserved_gib=None)
     if cuda:
         timed = torch.cuda.max_memory_allocated()
-        out.update(peak_mem_gib=max(timed, peak_warmup) / 2**30, peak_mem_timed_gib=timed / 2**30)
+        out.update(peak_mem_gib=max(timed, peak_warmup) / 2**30, peak_mem_timed_gib=timed / 2**30,
+                   peak_reserved_gib=max(torch.cuda.max_memory_reserved(), peak_reserved_warmup) / 2**30)
     return out
 
 
@@ -1178,6 +1182,9 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
         if n_skipped else []
     note = _allocator_note(timed)
     notes += [note] if note else []
+    reserved = max((r["mem_max_reserved_gb"] for r in train_rows if r.get("mem_max_reserved_gb") is not None),
+                   default=None)
+    notes += [_reserved_note(reserved, max(memory) if memory else None)] if reserved is not None else []
     profile = None
     if profile_steps:
         traces = sorted((run_dir / "torch_profile").glob("rank-0.json*"))
@@ -1189,10 +1196,19 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
                 energy_note=None if measured or not cuda else "GPU energy not measured in every timed step",
                 loss_first=train_rows[0]["loss"], loss_last=timed[-1]["loss"],
                 peak_mem_gib=max(memory) if memory else None, peak_mem_timed_gib=max(memory_timed)
-                if memory_timed else None, profile=profile, params=start["params"], skipped_steps=n_skipped,
+                if memory_timed else None, peak_reserved_gib=reserved, profile=profile, params=start["params"], skipped_steps=n_skipped,
                 precision=precision, notes=notes, spec=args.litespark_spec, backend=args.transformer_impl,
                 health={k: health[k] for k in ("attention", "attention_kind", "fusions", "degraded", "device_type")}
                 if health else None)
+
+
+def _reserved_note(reserved_gib: float, allocated_gib: Optional[float]) -> str:
+    """The allocator's peak reserved memory beside the peak allocated one: what the GPU had to hold (cached blocks
+    and CUDA graphs' private pools, which the allocated peak leaves out; the memory model's graph pools are fitted to
+    it)."""
+    beside = f" beside {allocated_gib:.1f} GiB allocated at most" if allocated_gib is not None else ""
+    return (f"the caching allocator reserved {reserved_gib:.1f} GiB at most{beside} (reserved: what the GPU held, "
+            "cached blocks and CUDA graphs' pools included)")
 
 
 def _allocator_note(timed: List[dict]) -> Optional[str]:
