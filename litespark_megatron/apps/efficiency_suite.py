@@ -399,12 +399,26 @@ def plan(settings: Settings, plat) -> Dict[str, dict]:
                 args = None
             planned[name] = dict(flags=flags, key=None, args=args, cannot_run=str(e), vocab=base_vocab())
             continue
+        check_graph_warmup(name, args, settings)
         resolved = dict(sorted(vars(args).items()))
         key = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
         planned[name] = dict(flags=flags, key=key, args=args, seed=args.seed)
     if len(problems) == len(settings.variants):
         raise UserError("\n".join(problems))
     return planned
+
+
+def check_graph_warmup(name: str, args, settings: Settings) -> None:
+    """A variant with CUDA graphs captures them at the start of step --cuda-graph-warmup-steps + 1: the intervals
+    left out of the time must cover that step, or the capture is timed as a step."""
+    if getattr(args, "cuda_graph_impl", "none") in (None, "none"):
+        return
+    capture, left_out = args.cuda_graph_warmup_steps + 1, settings.warmup_intervals * settings.log_interval
+    if left_out < capture:
+        need = -(-capture // settings.log_interval)
+        raise UserError(f"variant '{name}' captures CUDA graphs (--cuda-graph-impl {args.cuda_graph_impl}) in step "
+                        f"{capture}, and --warmup-intervals {settings.warmup_intervals} x --log-interval "
+                        f"{settings.log_interval} leaves out {left_out} step(s): give --warmup-intervals {need} or more")
 
 
 def run_flags(settings: Settings, entry: dict, repeat: int) -> List[str]:
