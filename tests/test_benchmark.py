@@ -49,6 +49,23 @@ def check_ok_row(row, seq: int, gbs: int):
 
 
 @pytest.mark.integration  # its processes start inside the package
+def test_megatron_steps_timed_by_log_intervals(tmp_path):
+    """--log-interval 2: the megatron worker reads the timed steps from interval records (two intervals of two
+    steps), each step counted at its interval's mean, and the table says how the steps were timed."""
+    out = tmp_path / "bench"
+    rc = load_tool("benchmark").main(["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
+                                      "--warmup", "2", "--steps", "4", "--log-interval", "2",
+                                      "--systems", "litespark-local-bf16", "--out", str(out)])
+    assert rc == 0
+    row = json.loads((out / "benchmark.json").read_text())["systems"][0]
+    assert row["status"] == "ok" and row["steps"] == 4 and len(row["step_times_s"]) == 4, row
+    times = row["step_times_s"]
+    assert times[0] == times[1] and times[2] == times[3]
+    assert row["seconds"] == pytest.approx(sum(times)) and row["tokens_per_step"] == 2 * 64
+    assert "megatron systems timed by log intervals of 2 steps" in (out / "benchmark.md").read_text()
+
+
+@pytest.mark.integration  # its processes start inside the package
 def test_cpu_end_to_end_with_a_failing_system(tmp_path, capsys):
     out = tmp_path / "bench"
     recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -263,6 +280,9 @@ def test_hf_config_has_the_preset_shape():
     (["--systems", " , "], "--systems is empty and no --variant given; name at least one of: hf-eager"),
     (["--micro-batch-size", "4", "--global-batch-size", "6"], "--global-batch-size 6 is not a multiple of"),
     (["--best-micro-batch", "--micro-batch-size", "2"], "--micro-batch-size and --best-micro-batch are exclusive"),
+    (["--log-interval", "2"], "--log-interval 2 does not divide --warmup 3: the warm-up and the timed steps are "
+                              "read as whole log intervals"),
+    (["--log-interval", "4", "--warmup", "4", "--steps", "6"], "--log-interval 4 does not divide --steps 6"),
     (["--micro-batch-candidates", "4,8"], "--micro-batch-candidates needs --best-micro-batch"),
     (["--best-micro-batch", "--micro-batch-candidates", "4,x"], "argument --micro-batch-candidates: expected a comma "
                                                                 "list of positive integers such as 4,8, got '4,x'"),

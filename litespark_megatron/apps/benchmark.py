@@ -164,6 +164,11 @@ def build_parser():
                         "string after an equals sign, e.g. --megatron-flags=\"--cross-entropy-loss-fusion\"")
     p.add_argument("--warmup", type=cli.non_negative_int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps")
+    p.add_argument("--log-interval", type=cli.positive_int, default=1,
+                   help="megatron systems: steps per megatron.training log interval, which ends in synchronizing "
+                        "reads (the loss, the telemetry); 1 times each step alone, more (dividing --warmup and "
+                        "--steps) times the steps as a training run that logs that often runs them; HF systems are "
+                        "timed per step")
     p.add_argument("--profile-steps", type=cli.non_negative_int, default=0,
                    help="after the timed steps, run this many more under torch.profiler and report where the GPU "
                         "time goes (GEMM, attention, optimizer, ...): a table per system in benchmark.md, top kernels "
@@ -277,6 +282,15 @@ def micro_batch_list(text: str) -> Tuple[int, ...]:
     if not sizes or sizes[0] < 1:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive integers such as 4,8, got '{text}'")
     return tuple(sizes)
+
+
+def check_log_interval(opts) -> None:
+    """The warm-up and the timed steps are whole log intervals (the timed ones are read from interval records)."""
+    n = getattr(opts, "log_interval", 1)
+    odd = [f"--{name} {getattr(opts, name)}" for name in ("warmup", "steps") if getattr(opts, name) % n]
+    if odd:
+        raise UserError(f"--log-interval {n} does not divide {' and '.join(odd)}: the warm-up and the timed steps "
+                        "are read as whole log intervals")
 
 
 def micro_batch_plan(opts) -> Tuple[int, List[int]]:
@@ -498,7 +512,8 @@ def run_worker(name: str, system: System, flags: List[str], mbs: int, gbs: int, 
     extra = shlex.split(opts.megatron_flags) if system.kind == "megatron" else []
     spec = dict(system=name, definition=asdict(system),
                 flags=flags + extra + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)],
-                warmup=opts.warmup, steps=opts.steps, profile_steps=opts.profile_steps)
+                warmup=opts.warmup, steps=opts.steps, profile_steps=opts.profile_steps,
+                log_interval=opts.log_interval)
     cmd = [sys.executable, "-m", "litespark_megatron.apps.benchmark", "--worker", json.dumps(spec), str(result_path)]
     result_path.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -575,6 +590,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         gbs, candidates = micro_batch_plan(opts)
+        check_log_interval(opts)
         flags = base_flags(opts)
         args = check_shape(flags)
         check_megatron_flags(flags, opts.megatron_flags)
@@ -705,6 +721,7 @@ def report_settings(opts, args, gbs: int, candidates: List[int]) -> dict:
     return dict(model=opts.model, seq_length=args.seq_length, global_batch_size=gbs,
                 tokens_per_step=gbs * args.seq_length, micro_batch_candidates=list(candidates),
                 best_micro_batch=opts.best_micro_batch, warmup=opts.warmup, steps=opts.steps,
+                log_interval=opts.log_interval,
                 profile_steps=opts.profile_steps, seed=opts.seed, megatron_flags=opts.megatron_flags,
                 timeout_s=opts.timeout, num_layers=args.num_layers, hidden_size=args.hidden_size,
                 ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
@@ -844,8 +861,9 @@ def render_markdown(report: dict) -> str:
         f"RoPE base {s['rotary_base']}, {'untied' if s['untie_embeddings_and_output_weights'] else 'tied'} embeddings",
         f"- each system in a fresh process: {_count(s['warmup'], 'warm-up step')}, then "
         f"{_count(s['steps'], 'timed step')} (wall time, "
-        "CUDA-synchronized after each step), random tokens (uniform over the vocabulary), "
-        "constant LR",
+        + ("CUDA-synchronized after each step" if s.get("log_interval", 1) == 1 else
+           f"HF systems CUDA-synchronized after each step, megatron systems timed by log intervals of "
+           f"{s['log_interval']} steps") + "), random tokens (uniform over the vocabulary), constant LR",
         "- TFLOP/s: model FLOPs (3 x forward GEMMs, logits included) with attention counted in full (NeMo tables) / "
         "causal-halved (Megatron-LM); docs/metrics.md",
     ]
@@ -1122,10 +1140,11 @@ def _micro_batches(tokens, micro_batch_size: int):
                    loss_mask=torch.ones(mb.size(0), seq), position_ids=torch.arange(seq).expand(mb.size(0), seq))
 
 
-def run_megatron(flags: List[str], system: System, warmup: int, steps: int, profile_steps: int = 0) -> dict:
+def run_megatron(flags: List[str], system: System, warmup: int, steps: int, profile_steps: int = 0,
+                 log_interval: int = 1) -> dict:
     """The system trained by litespark-train itself (megatron.training's loop, in this worker process) on mock
-    data, one log interval per step; the timed steps, energy and memory from its metrics.jsonl, what ran from its
-    health record, with --profile-steps megatron.training's torch.profiler trace summarized."""
+    data, `log_interval` steps per log interval; the timed steps, energy and memory from its metrics.jsonl, what ran
+    from its health record, with --profile-steps megatron.training's torch.profiler trace summarized."""
     import tempfile
 
     import torch
@@ -1133,21 +1152,22 @@ def run_megatron(flags: List[str], system: System, warmup: int, steps: int, prof
     cuda = torch.cuda.is_available()
     run_dir = Path(tempfile.mkdtemp(prefix="litespark-benchmark-run-"))
     try:
-        return _train_and_read(flags, system, warmup, steps, profile_steps, run_dir, cuda)
+        return _train_and_read(flags, system, warmup, steps, profile_steps, run_dir, cuda, log_interval)
     finally:
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, cuda: bool) -> dict:
+def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, cuda: bool,
+                    log_interval: int = 1) -> dict:
     from .. import platform
     from .profile import summarize_trace
     from ..pretrain import prepare, train
 
     metrics = run_dir / "metrics.jsonl"
     argv = flags + list(system.flags) + (["--bf16"] if cuda else []) + [
-        "--log-interval", "1", "--metrics-file", str(metrics), "--tensorboard-dir", str(run_dir / "tb")]
+        "--log-interval", str(log_interval), "--metrics-file", str(metrics), "--tensorboard-dir", str(run_dir / "tb")]
     if profile_steps:
         first = warmup + steps
         argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(first), "--profile-step-end",
@@ -1167,10 +1187,12 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train_rows = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
     timed = [r for r in train_rows if warmup < r["step"] <= warmup + steps]
-    if len(timed) != steps:
-        raise RuntimeError(f"expected {steps} timed steps in the run's metrics, found {len(timed)}")
+    if sum(r.get("steps", 1) for r in timed) != steps:
+        raise RuntimeError(f"expected {steps} timed steps in the run's metrics, found "
+                           f"{sum(r.get('steps', 1) for r in timed)}")
     tokens_per_step = timed[0]["tokens_per_sec"] * timed[0]["step_time_s"]
-    step_times = [r["step_time_s"] for r in timed]
+    # an interval's record holds its mean step time: each of its steps counted at it
+    step_times = [r["step_time_s"] for r in timed for _ in range(r.get("steps", 1))]
     measured = all(r.get("joules_per_token") is not None for r in timed)
     memory = [r.get("mem_max_allocated_gb") for r in train_rows if r.get("mem_max_allocated_gb") is not None]
     memory_timed = [r["mem_max_allocated_gb"] for r in timed if r.get("mem_max_allocated_gb") is not None]
@@ -1191,7 +1213,8 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
         profile = summarize_trace(str(traces[0])) if traces else None
     return dict(steps=steps, seconds=sum(step_times), tokens_per_step=round(tokens_per_step),
                 step_times_s=step_times,
-                joules=sum(r["joules_per_token"] * tokens_per_step for r in timed) if measured else None,
+                joules=sum(r["joules_per_token"] * tokens_per_step * r.get("steps", 1) for r in timed)
+                if measured else None,
                 energy_seconds=sum(step_times) if measured else None,
                 energy_note=None if measured or not cuda else "GPU energy not measured in every timed step",
                 loss_first=train_rows[0]["loss"], loss_last=timed[-1]["loss"],
@@ -1332,7 +1355,7 @@ def worker_main(spec_json: str, result_path: str) -> None:
             result.update(run_hf(args, system, cuda, spec["warmup"], spec["steps"], spec.get("profile_steps", 0)))
         else:
             result.update(run_megatron(spec["flags"], system, spec["warmup"], spec["steps"],
-                                       spec.get("profile_steps", 0)))
+                                       spec.get("profile_steps", 0), spec.get("log_interval", 1)))
         result["status"] = "ok"
     except BaseException as e:  # every failure becomes a result line; the traceback goes to the worker's log
         traceback.print_exc()
