@@ -32,6 +32,23 @@ def test_rows_say_what_ran_and_a_fallback_fails_the_sweep(tmp_path, capsys):
     assert rc == 0 and "**DEGRADED**" in (tmp_path / "b" / "sweep.md").read_text()
 
 
+def test_a_layout_whose_cuda_graph_capture_would_be_averaged_in_is_refused(tmp_path, capsys):
+    """The sweep averages every log interval after the first; CUDA graphs captured later (step 4 by default) would
+    count the capture as training: refused before anything is written."""
+    sweep = load_tool("layout_sweep")
+    out = tmp_path / "refused"
+    assert sweep.main(["--out", str(out), "--layout", "1:", "--layout", "1:--cuda-graph-impl transformer_engine"]
+                      + SHARED) == 2
+    assert capsys.readouterr().err == (
+        "layout_sweep: error: --layout 1:--cuda-graph-impl transformer_engine captures CUDA graphs in step 4 "
+        "(--cuda-graph-warmup-steps 3), after the first log interval, the only one the sweep leaves out "
+        "(--log-interval 2): give --log-interval 4 or more\n")
+    assert not out.exists()
+    assert sweep.graph_capture_error([(1, ["--cuda-graph-impl", "transformer_engine", "--log-interval", "4"])],
+                                     SHARED[1:]) == ""
+    assert sweep.graph_capture_error([(2, ["hf-ddp"])], SHARED[1:]) == ""
+
+
 @pytest.mark.integration  # its processes start inside the package
 def test_a_refused_layout_reports_the_trainers_reason(tmp_path, capsys):
     """...and the ratios are taken against the first layout that trained, which sweep.md names."""

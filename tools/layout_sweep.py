@@ -179,6 +179,26 @@ def failure_reason(lines) -> str:
     return " | ".join(lines[-3:])[-300:]
 
 
+def graph_capture_error(layouts, shared) -> str:
+    """A megatron layout with CUDA graphs captures them at the start of step --cuda-graph-warmup-steps + 1; the sweep
+    leaves out only the first log interval, which must hold that step, or the capture is averaged in. Flags that do
+    not resolve are left to the run, which says why."""
+    for nproc, flags in layouts:
+        if is_hf(flags):
+            continue
+        try:
+            run = resolve_quietly([*shared, *flags])
+        except ConfigError:
+            continue
+        capture = run.cuda_graph_warmup_steps + 1
+        if getattr(run, "cuda_graph_impl", "none") not in (None, "none") and run.log_interval < capture:
+            return (f"--layout {nproc}:{shlex.join(flags)} captures CUDA graphs in step {capture} "
+                    f"(--cuda-graph-warmup-steps {run.cuda_graph_warmup_steps}), after the first log interval, the "
+                    f"only one the sweep leaves out (--log-interval {run.log_interval}): give --log-interval "
+                    f"{capture} or more")
+    return ""
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     shared = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -208,7 +228,7 @@ def main(argv=None) -> int:
             print(f"layout_sweep: error: --layout {nproc}:{flags[0]}: unknown HF layout; use one of "
                   f"{', '.join(HF_LAYOUTS)}", file=sys.stderr)
             return 2
-    error = data_error(layouts, shared, args.random_tokens)
+    error = data_error(layouts, shared, args.random_tokens) or graph_capture_error(layouts, shared)
     if error:
         print(f"layout_sweep: error: {error}", file=sys.stderr)
         return 2
