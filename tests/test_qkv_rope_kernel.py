@@ -65,9 +65,11 @@ result = {"mismatched": 0, "elements": 0, "max_step": 0, "layouts_agree": True, 
           "scale_inv_exact": True, "saturated": True}
 torch.manual_seed(0)
 for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
-    for s, b, groups, p, d, own_key_angles in SHAPES:
-        for gdtype in (torch.float32, torch.bfloat16):
-            for spread, scale in ((1.0, 3e3), (1e-3, 1.0), (1.0, 1e30)):
+    for i, (s, b, groups, p, d, own_key_angles) in enumerate(SHAPES):
+        # every shape from bf16 gradients at scales that keep and that flush to subnormal; the first from fp32 too,
+        # and saturating (the interpreter is slow: the cases that add nothing per shape run once)
+        for gdtype in (torch.float32, torch.bfloat16) if i == 0 else (torch.bfloat16,):
+            for spread, scale in ((1.0, 3e3), (1e-3, 1.0)) + (((1.0, 1e30),) if i == 0 else ()):
                 half = torch.rand(s, 1, 1, d // 2) * 60
                 q_freqs = torch.cat([half, half], dim=-1)
                 k_freqs = torch.rand(s, 1, 1, d) * 60 if own_key_angles else q_freqs
