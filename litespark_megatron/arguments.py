@@ -119,7 +119,8 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="with --litespark-rope under FP8 (delayed scaling, te backend): the RoPE kernel's backward "
                         "writes the QKV GEMM's FP8 output gradient, row- and column-major in one pass, instead of a "
                         "bf16 gradient that Transformer Engine reads again to cast (kernels/qkv_rope.py; layers kept "
-                        "in BF16 take the bf16 one). Off unless given, until a loss-equivalence run")
+                        "in BF16 take the bf16 one). Off unless given: correct, not faster than the bf16 gradient and "
+                        "TE's cast yet (docs/benchmarks/)")
     g.add_argument("--litespark-swiglu", action=argparse.BooleanOptionalAction, default=None,
                    help="under FP8 (delayed scaling, te backend) the Litespark MLP's SwiGLU runs Litespark's kernels "
                         "(kernels/swiglu_fp8.py): it writes fc2's FP8 input, and in the backward fc1's FP8 output "
