@@ -778,8 +778,9 @@ def build_report(rows: List[dict], systems: Dict[str, System], gbs: int, candida
         if c["status"] == "ok":
             entry.update({k: c.get(k) for k in ("precision", "steps", "seconds", "tokens_per_step", "step_times_s",
                                                   "joules", "energy_seconds", "energy_note", "peak_mem_gib",
-                                                  "peak_mem_timed_gib", "peak_reserved_gib", "loss_first", "loss_last", "params",
-                                                  "skipped_steps", "notes", "profile", "health")})
+                                                  "peak_mem_timed_gib", "peak_reserved_gib", "loss_first",
+                                                  "loss_last", "params", "skipped_steps", "notes", "profile",
+                                                  "health")})
             entry.update(derive(c, flops[name], peak_tflops))
         results[name] = entry
     for name, ratio in ratios_vs_baseline({n: e for n, e in results.items() if e["status"] == "ok"}).items():
@@ -1219,7 +1220,8 @@ def _train_and_read(flags, system, warmup, steps, profile_steps, run_dir: Path, 
                 energy_note=None if measured or not cuda else "GPU energy not measured in every timed step",
                 loss_first=train_rows[0]["loss"], loss_last=timed[-1]["loss"],
                 peak_mem_gib=max(memory) if memory else None, peak_mem_timed_gib=max(memory_timed)
-                if memory_timed else None, peak_reserved_gib=reserved, profile=profile, params=start["params"], skipped_steps=n_skipped,
+                if memory_timed else None, peak_reserved_gib=reserved, profile=profile, params=start["params"],
+                skipped_steps=n_skipped,
                 precision=precision, notes=notes, spec=args.litespark_spec, backend=args.transformer_impl,
                 health={k: health[k] for k in ("attention", "attention_kind", "fusions", "degraded", "device_type")}
                 if health else None)
