@@ -223,6 +223,23 @@ def test_the_module_runs_and_refuses_in_one_line():
 
 
 @pytest.mark.integration  # its processes start inside the package
+def test_verify_logs_past_the_cuda_graph_capture(tmp_path):
+    """The sweep times the log intervals after the first: with CUDA graphs the verify's first interval holds their
+    capture (step 4 by default), and too few steps for a second one are refused before anything is written."""
+    from types import SimpleNamespace
+
+    graphs = ["--model", "tiny", "--cuda-graph-impl", "transformer_engine"]
+    assert plan.graph_capture_step(graphs, layouts.named_flags(graphs)) == 4
+    assert plan.graph_capture_step(graphs + ["--cuda-graph-warmup-steps", "1"], layouts.named_flags(graphs)) == 2
+    assert plan.graph_capture_step(["--model", "tiny"], {"--model"}) is None
+    out = tmp_path / "verify"
+    with pytest.raises(plan.UserError) as e:
+        plan.verify({"layouts": []}, graphs, SimpleNamespace(verify_steps=6, verify=1, out=str(out)))
+    assert str(e.value) == ("--verify-steps 6 with CUDA graphs (captured in step 4): the sweep times the log intervals "
+                            "after the first, which must hold the capture; give --verify-steps 8 or more")
+    assert not out.exists()
+
+
 def test_verify_on_the_cpu_with_two_ranks(tmp_path, capsys):
     """The best layout of two CPU ranks, trained for a few steps by tools/layout_sweep.py: its measured tokens/s
     beside the predicted."""

@@ -351,6 +351,18 @@ def _describe_model(args, setup) -> str:
 
 
 # ---- --verify: the best layouts trained here -------------------------------------------------------------------
+def graph_capture_step(argv: Sequence[str], named) -> Optional[int]:
+    """The step in which the user's run captures CUDA graphs (--cuda-graph-impl: step --cuda-graph-warmup-steps + 1),
+    None without them (or where the flags do not resolve: the plan has refused those already)."""
+    from ..arguments import resolve_quietly
+
+    try:
+        args = resolve_quietly([*layouts.placeholders(named), *argv])
+    except (ConfigError, UserError):
+        return None
+    return None if args.cuda_graph_impl in (None, "none") else args.cuda_graph_warmup_steps + 1
+
+
 def verify(result: dict, argv: Sequence[str], opts) -> List[dict]:
     """Train the best --verify layouts for --verify-steps steps with tools/layout_sweep.py; each row predicted
     beside measured (tokens/s per GPU; peak memory where the machine has a GPU)."""
@@ -361,9 +373,16 @@ def verify(result: dict, argv: Sequence[str], opts) -> List[dict]:
     steps = opts.verify_steps
     # a few steps, logged every third of them (the sweep averages the intervals after the first), no evaluation;
     # data and a learning rate only where the user's flags have none (later flags win): the plan's placeholders
-    # for the steps and the evaluation are these
+    # for the steps and the evaluation are these. With CUDA graphs the first interval holds their capture.
+    interval, capture = max(1, steps // 3), graph_capture_step(argv, named)
+    if capture is not None:
+        interval = max(interval, capture)
+        if steps < 2 * interval:
+            raise UserError(f"--verify-steps {steps} with CUDA graphs (captured in step {capture}): the sweep times the "
+                            f"log intervals after the first, which must hold the capture; give --verify-steps "
+                            f"{2 * interval} or more")
     run = [*layouts.placeholders(named | {"--train-iters", "--eval-interval"}), "--train-iters", str(steps),
-           "--log-interval", str(max(1, steps // 3)), "--eval-iters", "0", "--eval-interval", str(10 ** 6)]
+           "--log-interval", str(interval), "--eval-iters", "0", "--eval-interval", str(10 ** 6)]
     chosen = result["layouts"][:opts.verify]
     world = result["nodes"] * result["gpus_per_node"]
     out = Path(opts.out)
