@@ -378,8 +378,8 @@ def verify(result: dict, argv: Sequence[str], opts) -> List[dict]:
     if capture is not None:
         interval = max(interval, capture)
         if steps < 2 * interval:
-            raise UserError(f"--verify-steps {steps} with CUDA graphs (captured in step {capture}): the sweep times the "
-                            f"log intervals after the first, which must hold the capture; give --verify-steps "
+            raise UserError(f"--verify-steps {steps} with CUDA graphs (captured in step {capture}): the sweep times "
+                            f"the log intervals after the first, which must hold the capture; give --verify-steps "
                             f"{2 * interval} or more")
     run = [*layouts.placeholders(named | {"--train-iters", "--eval-interval"}), "--train-iters", str(steps),
            "--log-interval", str(interval), "--eval-iters", "0", "--eval-interval", str(10 ** 6)]
