@@ -222,7 +222,6 @@ def test_the_module_runs_and_refuses_in_one_line():
     assert proc.stderr.strip() == "litespark-plan: error: unknown --gpu 'V100': litespark-plan knows H100, H200, cpu"
 
 
-@pytest.mark.integration  # its processes start inside the package
 def test_verify_logs_past_the_cuda_graph_capture(tmp_path):
     """The sweep times the log intervals after the first: with CUDA graphs the verify's first interval holds their
     capture (step 4 by default), and too few steps for a second one are refused before anything is written."""
@@ -240,6 +239,7 @@ def test_verify_logs_past_the_cuda_graph_capture(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.integration  # its processes start inside the package
 def test_verify_on_the_cpu_with_two_ranks(tmp_path, capsys):
     """The best layout of two CPU ranks, trained for a few steps by tools/layout_sweep.py: its measured tokens/s
     beside the predicted."""
