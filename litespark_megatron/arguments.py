@@ -590,13 +590,26 @@ def _check_nsa(args, plat) -> None:
             raise ConfigError(f"--attention-variant nsa: {problem}")
 
 
+def cuda_graph_impl(args) -> str:
+    """The CUDA-graph implementation a run asks for: 'none', 'local' or 'transformer_engine' (Megatron-LM's
+    deprecated spellings of the two included)."""
+    impl = getattr(args, "cuda_graph_impl", None) or "none"
+    if impl == "none":
+        impl = "local" if getattr(args, "enable_cuda_graph", False) else \
+            "transformer_engine" if getattr(args, "external_cuda_graph", False) else "none"
+    return impl
+
+
+def cuda_graph_capture_step(args) -> Optional[int]:
+    """The training step (counted from 1) at whose start megatron.training captures the run's CUDA graphs
+    (--cuda-graph-warmup-steps + 1), None without graphs: a window that times steps must start after it."""
+    return None if cuda_graph_impl(args) == "none" else args.cuda_graph_warmup_steps + 1
+
+
 def _check_cuda_graphs(args, plat) -> None:
     """CUDA graphs where they cannot be captured: megatron-core would fail inside its setup (on a CPU with an
     AttributeError on a CUDA stream)."""
-    impl = args.cuda_graph_impl
-    if impl == "none":  # Megatron-LM's deprecated spellings of the two implementations
-        impl = "local" if getattr(args, "enable_cuda_graph", False) else \
-            "transformer_engine" if getattr(args, "external_cuda_graph", False) else "none"
+    impl = cuda_graph_impl(args)
     if impl == "none":
         return
     if plat.device_type != "cuda":

@@ -222,18 +222,29 @@ def test_the_module_runs_and_refuses_in_one_line():
     assert proc.stderr.strip() == "litespark-plan: error: unknown --gpu 'V100': litespark-plan knows H100, H200, cpu"
 
 
-def test_verify_logs_past_the_cuda_graph_capture(tmp_path):
+def test_verify_logs_past_the_cuda_graph_capture(tmp_path, capsys):
     """The sweep times the log intervals after the first: with CUDA graphs the verify's first interval holds their
     capture (step 4 by default), and too few steps for a second one are refused before anything is written."""
     from types import SimpleNamespace
 
     graphs = ["--model", "tiny", "--cuda-graph-impl", "transformer_engine"]
-    assert plan.graph_capture_step(graphs, layouts.named_flags(graphs)) == 4
-    assert plan.graph_capture_step(graphs + ["--cuda-graph-warmup-steps", "1"], layouts.named_flags(graphs)) == 2
-    assert plan.graph_capture_step(["--model", "tiny"], {"--model"}) is None
+    assert arguments.cuda_graph_capture_step(arguments.resolve_quietly(graphs)) == 4
+    assert arguments.cuda_graph_capture_step(arguments.resolve_quietly(graphs + ["--cuda-graph-warmup-steps",
+                                                                                 "1"])) == 2
+    assert arguments.cuda_graph_capture_step(arguments.resolve_quietly(["--model", "tiny"])) is None
+    # Megatron-LM's deprecated spelling is graphs too
+    assert arguments.cuda_graph_capture_step(arguments.resolve_quietly(["--model", "tiny",
+                                                                        "--enable-cuda-graph"])) == 4
+    # the plan records the capture step of the user's flags for --verify
+    result = planned(capsys, "--gpu", "H200", "--gpus-per-node", "4", "--top", "1", *LLAMA_3B,
+                     "--cuda-graph-impl", "transformer_engine")
+    assert result["cuda_graph_capture_step"] == 4
+    assert planned(capsys, "--gpu", "H200", "--gpus-per-node", "4", "--top", "1",
+                   *LLAMA_3B)["cuda_graph_capture_step"] is None
     out = tmp_path / "verify"
     with pytest.raises(plan.UserError) as e:
-        plan.verify({"layouts": []}, graphs, SimpleNamespace(verify_steps=6, verify=1, out=str(out)))
+        plan.verify({"layouts": [], "cuda_graph_capture_step": 4}, graphs,
+                    SimpleNamespace(verify_steps=6, verify=1, out=str(out)))
     assert str(e.value) == ("--verify-steps 6 with CUDA graphs (captured in step 4): the sweep times the log intervals "
                             "after the first, which must hold the capture; give --verify-steps 8 or more")
     assert not out.exists()

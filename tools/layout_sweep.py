@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a source checkout: the package next to tools/
     sys.path.insert(0, str(ROOT))
 
-from litespark_megatron.arguments import ConfigError, launch_environment, resolve_quietly  # noqa: E402
+from litespark_megatron.arguments import (ConfigError, cuda_graph_capture_step, launch_environment,  # noqa: E402
+                                          resolve_quietly)
 
 HF_LAYOUTS = ("hf-ddp", "hf-fsdp2")  # a layout's first word: HF transformers under torch's data parallelism
 REFUSALS = ("litespark-train: error: ", "hf_parallel: error: ")  # the trainers' one-line refusals
@@ -190,8 +191,8 @@ def graph_capture_error(layouts, shared) -> str:
             run = resolve_quietly([*shared, *flags])
         except ConfigError:
             continue
-        capture = run.cuda_graph_warmup_steps + 1
-        if getattr(run, "cuda_graph_impl", "none") not in (None, "none") and run.log_interval < capture:
+        capture = cuda_graph_capture_step(run)
+        if capture is not None and run.log_interval < capture:
             return (f"--layout {nproc}:{shlex.join(flags)} captures CUDA graphs in step {capture} "
                     f"(--cuda-graph-warmup-steps {run.cuda_graph_warmup_steps}), after the first log interval, the "
                     f"only one the sweep leaves out (--log-interval {run.log_interval}): give --log-interval "

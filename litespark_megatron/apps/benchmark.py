@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import backend_probe
-from ..arguments import resolve_quietly
+from ..arguments import cuda_graph_capture_step, cuda_graph_impl, resolve_quietly
 from ..errors import ConfigError, UserError
 from ..spec_choice import SpecChoice
 from .hf_model import build_hf_llama, hf_adamw, token_batches
@@ -365,11 +365,11 @@ def check_graph_warmup(systems: Dict[str, System], flags: List[str], opts) -> No
         if system.kind != "megatron":
             continue
         args = resolve_quietly(flags + list(system.flags) + extra)
-        if getattr(args, "cuda_graph_impl", "none") != "none" and opts.warmup <= args.cuda_graph_warmup_steps:
-            raise UserError(f"{name} captures CUDA graphs (--cuda-graph-impl {args.cuda_graph_impl}) in step "
-                            f"{args.cuda_graph_warmup_steps + 1} (--cuda-graph-warmup-steps "
-                            f"{args.cuda_graph_warmup_steps}), and --warmup {opts.warmup} would time the capture; "
-                            f"give --warmup {args.cuda_graph_warmup_steps + 1} or more")
+        capture = cuda_graph_capture_step(args)
+        if capture is not None and opts.warmup < capture:
+            raise UserError(f"{name} captures CUDA graphs (--cuda-graph-impl {cuda_graph_impl(args)}) in step "
+                            f"{capture} (--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}), and --warmup "
+                            f"{opts.warmup} would time the capture; give --warmup {capture} or more")
 
 
 def flops_per_step(args, global_batch_size: int, vocab: int) -> Dict[str, int]:

@@ -411,14 +411,13 @@ def plan(settings: Settings, plat) -> Dict[str, dict]:
 def check_graph_warmup(name: str, args, settings: Settings) -> None:
     """A variant with CUDA graphs captures them at the start of step --cuda-graph-warmup-steps + 1: the intervals
     left out of the time must cover that step, or the capture is timed as a step."""
-    if getattr(args, "cuda_graph_impl", "none") in (None, "none"):
-        return
-    capture, left_out = args.cuda_graph_warmup_steps + 1, settings.warmup_intervals * settings.log_interval
-    if left_out < capture:
+    capture, left_out = arguments.cuda_graph_capture_step(args), settings.warmup_intervals * settings.log_interval
+    if capture is not None and left_out < capture:
         need = -(-capture // settings.log_interval)
-        raise UserError(f"variant '{name}' captures CUDA graphs (--cuda-graph-impl {args.cuda_graph_impl}) in step "
-                        f"{capture}, and --warmup-intervals {settings.warmup_intervals} x --log-interval "
-                        f"{settings.log_interval} leaves out {left_out} step(s): give --warmup-intervals {need} or more")
+        raise UserError(f"variant '{name}' captures CUDA graphs (--cuda-graph-impl "
+                        f"{arguments.cuda_graph_impl(args)}) in step {capture}, and --warmup-intervals "
+                        f"{settings.warmup_intervals} x --log-interval {settings.log_interval} leaves out {left_out} "
+                        f"step(s): give --warmup-intervals {need} or more")
 
 
 def run_flags(settings: Settings, entry: dict, repeat: int) -> List[str]:

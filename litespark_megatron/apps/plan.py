@@ -280,7 +280,8 @@ def plan(opts, argv: Sequence[str]) -> dict:
     return dict(gpu=gpu.name, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node, memory_gib=memory_gib,
                 usable_gib=usable, model=_describe_model(args, setup), rate=rate_source, interconnect=link_source,
                 checked=len(evaluated) + len(refused), refused=len(refused), refusals=refusal_counts(refused),
-                do_not_fit=sum(not e.fits for e in evaluated), fit=len(fitting), layouts=best)
+                do_not_fit=sum(not e.fits for e in evaluated), fit=len(fitting), layouts=best,
+                cuda_graph_capture_step=arguments.cuda_graph_capture_step(args))
 
 
 def refusal_counts(refused) -> List[dict]:
@@ -351,18 +352,6 @@ def _describe_model(args, setup) -> str:
 
 
 # ---- --verify: the best layouts trained here -------------------------------------------------------------------
-def graph_capture_step(argv: Sequence[str], named) -> Optional[int]:
-    """The step in which the user's run captures CUDA graphs (--cuda-graph-impl: step --cuda-graph-warmup-steps + 1),
-    None without them (or where the flags do not resolve: the plan has refused those already)."""
-    from ..arguments import resolve_quietly
-
-    try:
-        args = resolve_quietly([*layouts.placeholders(named), *argv])
-    except (ConfigError, UserError):
-        return None
-    return None if args.cuda_graph_impl in (None, "none") else args.cuda_graph_warmup_steps + 1
-
-
 def verify(result: dict, argv: Sequence[str], opts) -> List[dict]:
     """Train the best --verify layouts for --verify-steps steps with tools/layout_sweep.py; each row predicted
     beside measured (tokens/s per GPU; peak memory where the machine has a GPU)."""
@@ -374,7 +363,7 @@ def verify(result: dict, argv: Sequence[str], opts) -> List[dict]:
     # a few steps, logged every third of them (the sweep averages the intervals after the first), no evaluation;
     # data and a learning rate only where the user's flags have none (later flags win): the plan's placeholders
     # for the steps and the evaluation are these. With CUDA graphs the first interval holds their capture.
-    interval, capture = max(1, steps // 3), graph_capture_step(argv, named)
+    interval, capture = max(1, steps // 3), result.get("cuda_graph_capture_step")
     if capture is not None:
         interval = max(interval, capture)
         if steps < 2 * interval:
