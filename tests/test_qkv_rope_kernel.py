@@ -11,6 +11,7 @@ import torch
 
 from conftest import child_env, free_port, losses, ok, records, run_interpreted, train
 from test_arguments import GPU_TE, TINY, check
+from test_swiglu_fp8_kernel import FP8_RUN, _bytes_agree
 from litespark_megatron.arguments import ConfigError
 import litespark_megatron.kernels
 from litespark_megatron.kernels import qkv_rope as qr, triton_available
@@ -367,15 +368,6 @@ def test_on_the_te_backend_the_kernel_trains_as_tes_rope(tmp_path):
     assert [r for r in on if r["kind"] == "health"][0]["fusions"]["rope"] == "litespark"
 
 
-def _bytes_agree(got, want):
-    """All but one in 10^4 FP8 bytes equal, the rest one step apart (a sum of two fp32 products contracted into one
-    fused multiply-add where the reference rounds the product first)."""
-    got, want = got.view(torch.uint8), want.view(torch.uint8)
-    differ = got != want
-    steps = (got.to(torch.int16) - want.to(torch.int16)).abs()
-    return differ.float().mean().item() <= 1e-4 and (steps[differ] <= 1).all().item()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
 def test_the_compiled_fp8_backward_writes_the_references_bytes_on_the_gpu():
@@ -398,12 +390,6 @@ def test_the_compiled_fp8_backward_writes_the_references_bytes_on_the_gpu():
             assert _bytes_agree(got[0], want[0]) and _bytes_agree(got[1], want[1]), (s, b, dtype)
             assert torch.equal(got[1], got[0].t().contiguous())
             assert abs(a1.item() - a2.item()) <= 1e-6 * a2.item() and torch.equal(got[2], want[2])
-
-
-FP8_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-batch-size", "8", "--micro-batch-size",
-           "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6", "--log-interval", "1", "--eval-iters",
-           "0", "--eval-interval", "100", "--seed", "7", "--save-interval", "100", "--bf16", "--fp8-format", "hybrid",
-           "--fp8-recipe", "delayed", "--spec", "litespark", "--transformer-impl", "transformer_engine"]
 
 
 @pytest.mark.gpu

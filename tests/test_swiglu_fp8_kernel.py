@@ -150,7 +150,8 @@ def test_the_spec_gives_the_dense_mlp_the_kernel_and_refuses_what_cannot_take_it
 
 # --------------------------------------------------------------------------------------------- on a GPU
 def _bytes_agree(got, want):
-    """All but one in 10^4 FP8 bytes equal, the rest one step apart (fp32 exponentials differing in the last bit)."""
+    """All but one in 10^4 FP8 bytes equal, the rest one step apart: the compiled kernel's fp32 differs from the
+    reference's in the last bit (an exponential; a product contracted into a fused multiply-add)."""
     got, want = got.view(torch.uint8), want.view(torch.uint8)
     differ = got != want
     steps = (got.to(torch.int16) - want.to(torch.int16)).abs()
