@@ -43,6 +43,16 @@ if not GPU_PASS:
                                                    TESTS / "cpu_machine" / "sitecustomize.py")
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))  # this process too
 
+# xdist workers share the machine's cores: each worker, and each process it starts from its environment (the tools'
+# runs: the layout sweep's, the benchmark's workers, the launcher's), gets its share of them as torch's intra-op
+# threads instead of torch's default of every core. Two workers of two OpenMP threads each on two cores spin on
+# each other's cores: a run took three times its CPU time so. A value given in the environment is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    if "torch" in sys.modules:  # (torch reads the variable when it starts its thread pool, at its first use)
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 # How two workers share the suite (scripts/test.sh: pytest-xdist's --dist loadgroup, without groups: each test is
 # its own unit, handed out in this order whenever a worker has run down its queue). Most of the time is a few long

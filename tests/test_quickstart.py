@@ -6,17 +6,18 @@ import os
 import re
 import sys
 
-from conftest import ROOT, child_env, run
+from conftest import ROOT, child_env, run, train as litespark_train
 
 
 def test_quickstart_short(tmp_path):
     save = tmp_path / "run"
-    env = child_env(OMP_NUM_THREADS=2)
     # 40 steps (the config's 30 of warm-up and 10 at the peak learning rate) are enough for what is asserted below:
-    # the loss falls by more than 1 and the validation loss ends below the data's unigram entropy.
-    proc = run([sys.executable, "-m", "litespark_megatron", "--config", ROOT / "examples" / "quickstart.yaml",
-                "--train-iters", "40", "--log-interval", "10", "--eval-interval", "20", "--save-interval", "20",
-                "--save", save, "--tensorboard-dir", save / "tb"], timeout=900, env=env)
+    # the loss falls by more than 1 and the validation loss ends below the data's unigram entropy (measured: 8.00 ->
+    # 5.92, and 6.24 against 6.47; after 30 steps the validation loss, 6.49, is not below it yet). `python -m
+    # litespark_megatron`, forked from the test worker's zygote (conftest.train) with the suite's thread count.
+    proc = litespark_train(1, "--config", ROOT / "examples" / "quickstart.yaml", "--train-iters", "40",
+                           "--log-interval", "10", "--eval-interval", "20", "--save-interval", "20", "--save", save,
+                           "--tensorboard-dir", save / "tb", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # Megatron-LM's own progress line: after the first step, then once per log interval.
@@ -73,7 +74,7 @@ def test_the_efficiency_base_recipe_exports_only_a_finished_run(tmp_path):
     flags = ["--model", "tiny", "--seq-length", "64", "--train-iters", "4", "--lr-warmup-iters", "1",
              "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-interval", "4", "--eval-iters", "1",
              "--log-interval", "1"]
-    env = child_env(PYTHON=sys.executable, OMP_NUM_THREADS=2)
+    env = child_env(PYTHON=sys.executable)
     stopped = run(["bash", script, out, *flags, "--exit-interval", "2"], timeout=600, env=env)
     assert stopped.returncode == 3, stopped.stdout[-2000:] + stopped.stderr[-2000:]
     assert "efficiency_base.sh: the training stopped 2 steps before its end; run the same command again" in \
