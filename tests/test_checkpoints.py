@@ -3,11 +3,10 @@ own layer and the other way round; checkpoints of the project's earlier trainer 
 refused for an exact resume, with one line); Megatron-LM's own Llama-3 8B example command line trains here."""
 import json
 import re
-import sys
 
 import pytest
 
-from conftest import TESTS, WORKER_DIR, child_env, free_port, losses, made_once, ok, records, run, train
+from conftest import TESTS, WORKER_DIR, child_env, forked, free_port, losses, made_once, ok, records, train
 
 # The tiny Llama as Megatron-LM flags, and what a CPU needs (litespark-train adds those two groups itself).
 LLAMA = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
@@ -24,9 +23,10 @@ RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size",
 
 
 def stock(*flags):
-    """The plain Megatron-LM script; its per-step losses from Megatron-LM's own log lines."""
-    proc = run([sys.executable, WORKER_DIR / "stock_pretrain.py", *LLAMA, *CPU, *RUN, *flags],
-               env=child_env(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()))
+    """The plain Megatron-LM script (forked from the test worker's zygote, which imported megatron-core and nothing of
+    litespark-megatron); its per-step losses from Megatron-LM's own log lines."""
+    proc = forked(1, WORKER_DIR / "stock_pretrain.py", *LLAMA, *CPU, *RUN, *flags,
+                  env=child_env(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     found = [(int(step), float(loss)) for step, loss in
              re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", proc.stdout)]
@@ -92,8 +92,7 @@ def test_checkpoint_of_the_earlier_trainer_loads_with_finetune(tmp_path):
     flags = reference["model_flags"] + ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
                                         "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0",
                                         "--eval-interval", "10", "--load", str(LEGACY), "--finetune"]
-    proc = run([sys.executable, WORKER_DIR / "checkpoint_worker.py", LEGACY / "reference.json", "--", *flags],
-               env=child_env(MASTER_PORT=free_port()))
+    proc = forked(1, WORKER_DIR / "checkpoint_worker.py", LEGACY / "reference.json", "--", *flags)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])["mean_loss"]
     assert abs(got - reference["mean_loss"]) < 1e-6, (got, reference["mean_loss"])
