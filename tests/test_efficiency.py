@@ -610,7 +610,7 @@ def test_report_only_needs_a_recorded_suite(tmp_path):
 # --------------------------------------------------------------------------------------------- fine-tuning axis
 FT_OWN = ["--axis", "finetune", "--model", "tiny", "--variants", "all", "--train-iters", "4", "--log-interval", "2",
           "--eval-iters", "1"]
-FT_SHARED = ["--", "--micro-batch-size", "4", "--global-batch-size", "8"]
+FT_SHARED = ["--", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "64"]
 FT_VARIANTS = ["full", "lora", "rslora", "dora", "lora-plus", "freeze"]
 
 
