@@ -1,10 +1,9 @@
 """litespark_megatron/watchdog.py: --hang-timeout-factor (a step far slower than the run's median ends the run with
 one line naming the rank and the step, and the stacks that show where it is stuck; waiting is not a hang) and
 --loss-spike-factor (a loss far above the recent median warns, or stops the run before that step is saved)."""
-import sys
 import time
 
-from conftest import WORKER_DIR, child_env, free_port, run, train
+from conftest import WORKER_DIR, child_env, forked, free_port, train
 
 from litespark_megatron.watchdog import SPIKE_MIN_HISTORY, SPIKE_WINDOW, WARM_UP_STEPS, LossSpikeGuard, StepWatchdog
 
@@ -30,9 +29,8 @@ def test_a_hung_step_stops_the_run_with_the_rank_and_its_stack(tmp_path):
     """Step 8 never ends (tests/workers/hang_at_step.py sleeps in its forward): with the median step ~0.1 s, factor 5
     and a 3 s floor, the run stops within seconds, exit 1, and the stack shows the sleeping forward."""
     started = time.time()
-    proc = run([sys.executable, WORKER_DIR / "hang_at_step.py", *MOCK, "--hang-timeout-factor", "5",
-                "--hang-timeout-min-seconds", "3"], timeout=240,
-               env=child_env(MASTER_PORT=free_port(), HANG_AT_STEP=8))
+    proc = forked(1, WORKER_DIR / "hang_at_step.py", *MOCK, "--hang-timeout-factor", "5", "--hang-timeout-min-seconds",
+                  "3", timeout=240, env=child_env(MASTER_PORT=free_port(), HANG_AT_STEP=8))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert time.time() - started < 120
     line = next(line for line in proc.stderr.splitlines() if "stopping the run as hung" in line)

@@ -18,11 +18,15 @@ import os
 import sys
 
 # What a run reads after its imports, so that a fork of this process serves any value of it: ranks and ports (and
-# torchrun's other variables), the project's run-time variables. (Not LITESPARK_CPU_SHIMS: a run without a shim fails
-# in megatron-core code whose state the imports already set up.)
+# torchrun's other variables), the project's run-time variables, the test-only faults litespark_megatron.pretrain
+# reads when it is imported (never here: only in the run), and the knobs of the test workers (tests/workers/), which
+# they read as they start. (Not LITESPARK_CPU_SHIMS: a run without a shim fails in megatron-core code whose state the
+# imports already set up.)
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
-RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER")
+RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                                  "HANG_AT_STEP", "HANG_RANK"}
+RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER",
+                   "LITESPARK_TEST_NAN_AT_STEP", "LITESPARK_TEST_SPIKE_AT_STEP")
 
 
 def start_env(env) -> dict:
