@@ -1,14 +1,10 @@
 """telemetry.py: where it attaches to megatron.training (a change there must fail here), and what it writes."""
 import inspect
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import WORKER_DIR, child_env, free_port, ok, records, torchrun, train
+from conftest import WORKER_DIR, child_env, forked, free_port, ok, records, torchrun, train
 from litespark_megatron import telemetry
 
 
@@ -137,18 +133,12 @@ def test_the_slowest_rank_is_named_in_every_interval(tmp_path):
 
 
 def _killed_in_step(step, flags, metrics):
-    """litespark-train SIGKILLed while its step `step` runs (tests/workers/hang_at_step.py holds it there), once the
-    step before is in metrics.jsonl: a run that an OOM killer or a lost node ends mid-training."""
-    proc = subprocess.Popen([sys.executable, WORKER_DIR / "hang_at_step.py", *flags], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=child_env(MASTER_PORT=free_port(), HANG_AT_STEP=step))
-    try:
-        deadline = time.time() + 240
-        while not (metrics.exists() and step - 1 in [r["step"] for r in records(metrics, "train")]):
-            assert proc.poll() is None and time.time() < deadline, f"no record of step {step - 1}"
-            time.sleep(0.2)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """litespark-train SIGKILLed while its step `step` runs (tests/workers/hang_at_step.py kills itself there, the
+    records of the steps before it written): a run that an OOM killer or a lost node ends mid-training."""
+    proc = forked(1, WORKER_DIR / "hang_at_step.py", *flags,
+                  env=child_env(MASTER_PORT=free_port(), HANG_AT_STEP=step, HANG_KILL=1))
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert step - 1 in [r["step"] for r in records(metrics, "train")], f"no record of step {step - 1}"
 
 
 def test_a_restart_after_a_kill_leaves_one_record_per_step(tmp_path):

@@ -23,10 +23,9 @@ import sys
 # they read as they start. (Not LITESPARK_CPU_SHIMS: a run without a shim fails in megatron-core code whose state the
 # imports already set up.)
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                                  "HANG_AT_STEP", "HANG_RANK"}
+RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
 RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER",
-                   "LITESPARK_TEST_NAN_AT_STEP", "LITESPARK_TEST_SPIKE_AT_STEP")
+                   "LITESPARK_TEST_NAN_AT_STEP", "LITESPARK_TEST_SPIKE_AT_STEP", "HANG_")  # (workers/hang_at_step.py)
 
 
 def start_env(env) -> dict:
