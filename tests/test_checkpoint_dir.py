@@ -7,10 +7,9 @@ import fcntl
 import os
 import re
 import signal
-import sys
 import time
 
-from conftest import WORKER_DIR, child_env, free_port, ok, records, run, running, torchrun, train
+from conftest import WORKER_DIR, child_env, forked, free_port, ok, records, running, torchrun, train
 
 from litespark_megatron import checkpoint_dir
 
@@ -168,8 +167,8 @@ def test_killed_save_is_removed_and_the_run_resumes_from_the_one_before(tmp_path
     save = tmp_path / "run"
     flags = [*MOCK, "--train-iters", "7", "--save-interval", "2", "--save", save, "--load", save,
              "--keep-last-checkpoints", "1"]
-    killed = run([sys.executable, WORKER_DIR / "kill_in_save.py", *flags],
-                 env=child_env(MASTER_PORT=free_port(), KILL_IN_SAVE_AT=4))
+    killed = forked(1, WORKER_DIR / "kill_in_save.py", *flags,
+                    env=child_env(MASTER_PORT=free_port(), KILL_IN_SAVE_AT=4))
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (save / "iter_0000004" / "__0_0.distcp").exists()
@@ -228,8 +227,8 @@ def test_a_failed_save_is_one_line_and_the_previous_checkpoint_stays(tmp_path):
     writer with ENOSPC mid-file): one line on stderr naming the cause instead of every rank's traceback, exit 1, the
     tracker at 2. The run had no --load: the same command would not resume, the line says how to."""
     save = tmp_path / "run"
-    proc = run([sys.executable, WORKER_DIR / "disk_full_in_save.py", *MOCK, "--train-iters", "6",
-                "--save-interval", "2", "--save", save], env=child_env(MASTER_PORT=free_port(), DISK_FULL_AT=4))
+    proc = forked(1, WORKER_DIR / "disk_full_in_save.py", *MOCK, "--train-iters", "6", "--save-interval", "2",
+                  "--save", save, env=child_env(MASTER_PORT=free_port(), DISK_FULL_AT=4))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]

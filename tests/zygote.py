@@ -25,7 +25,8 @@ import sys
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_TIME = set(RANK_VARIABLES) | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
 RUN_TIME_PREFIX = ("LITESPARK_CACHE", "LITESPARK_RESTORE_STOP_SIGNALS", "LITESPARK_HELPER",
-                   "LITESPARK_TEST_NAN_AT_STEP", "LITESPARK_TEST_SPIKE_AT_STEP", "HANG_")  # (workers/hang_at_step.py)
+                   "LITESPARK_TEST_NAN_AT_STEP", "LITESPARK_TEST_SPIKE_AT_STEP",
+                   "HANG_", "KILL_IN_SAVE_AT", "DISK_FULL_AT")  # hang_at_step.py, kill_in_save.py, disk_full_in_save.py
 
 
 def start_env(env) -> dict:
