@@ -9,7 +9,7 @@ import re
 import signal
 import time
 
-from conftest import WORKER_DIR, child_env, forked, free_port, ok, records, running, torchrun, train
+from conftest import WORKER_DIR, child_env, forked, free_port, ok, records, running, train
 
 from litespark_megatron import checkpoint_dir
 
@@ -314,8 +314,8 @@ def test_a_save_that_fails_on_one_rank_alone_is_said_by_that_rank(tmp_path):
     naming itself; rank 0, whose save then loses its peer, says its own. Before, only rank 0 spoke, of the lost
     connection: the cause was in no log."""
     save = tmp_path / "run"
-    proc = torchrun(2, WORKER_DIR / "helper_dies_on_one_rank.py", *MOCK, "--train-iters", "4",
-                    "--save-interval", "2", "--save", save, env=child_env(HELPER_DIES_ON_RANK=1))
+    proc = forked(2, WORKER_DIR / "helper_dies_on_one_rank.py", *MOCK, "--train-iters", "4", "--save-interval", "2",
+                  "--save", save, env=child_env(MASTER_PORT=free_port(), HELPER_DIES_ON_RANK=1))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     said = [line for line in proc.stderr.splitlines() if line.startswith("litespark-train: error: ")]
     rank1 = [line for line in said if line.startswith("litespark-train: error: rank 1: ")]

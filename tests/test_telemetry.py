@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from conftest import WORKER_DIR, child_env, forked, free_port, ok, records, torchrun, train
+from conftest import WORKER_DIR, child_env, forked, free_port, ok, records, train
 from litespark_megatron import telemetry
 
 
@@ -123,8 +123,8 @@ def test_the_slowest_rank_is_named_in_every_interval(tmp_path):
     its forward holds the 0.5 s, and is at least 0.25 s longer than rank 0's (whose forward of ~0.01 s was seen at
     0.19 s on a busy 2-core machine: 0.25 s of margin for that noise)."""
     metrics = tmp_path / "m.jsonl"
-    ok(torchrun(2, WORKER_DIR / "slow_rank.py", *MOCK, "--log-interval", "1", "--eval-iters", "0",
-                "--metrics-file", metrics, env=child_env(SLOW_RANK=1, SLOW_SECONDS=0.5)))
+    ok(forked(2, WORKER_DIR / "slow_rank.py", *MOCK, "--log-interval", "1", "--eval-iters", "0",
+              "--metrics-file", metrics, env=child_env(MASTER_PORT=free_port(), SLOW_RANK=1, SLOW_SECONDS=0.5)))
     rows = records(metrics, "train")[1:]  # the first step: start-up, and its first forward is not timed
     assert [r["slowest_rank"] for r in rows] == [1, 1, 1], rows
     for r in rows:
