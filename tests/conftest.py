@@ -519,7 +519,6 @@ SAVED_TENSOR_MODELS = {  # name -> litespark-train flags of the tiny model (test
 @pytest.fixture(scope="session")
 def saved_tensors():
     """What each of SAVED_TENSOR_MODELS keeps for the backward of a training forward, from one worker process."""
-    proc = run([sys.executable, WORKER_DIR / "saved_tensors_worker.py", *SAVED_TENSOR_MODELS.values()],
-               env=child_env(MASTER_PORT=free_port()))
+    proc = forked(1, WORKER_DIR / "saved_tensors_worker.py", *SAVED_TENSOR_MODELS.values())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(zip(SAVED_TENSOR_MODELS, json.loads(proc.stdout.strip().splitlines()[-1])))

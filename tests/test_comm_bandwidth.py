@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env, load_tool, run, torchrun
+from conftest import ROOT, child_env, forked, load_tool, run
 
 
 def test_two_ranks_measure_every_collective_at_every_size(tmp_path):
     out = tmp_path / "bw.json"
-    proc = torchrun(2, ROOT / "tools" / "comm_bandwidth.py", "--sizes-mb", "0.25,1", "--iters", "2", "--out", out)
+    proc = forked(2, ROOT / "tools" / "comm_bandwidth.py", "--sizes-mb", "0.25,1", "--iters", "2", "--out", out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert (report["world_size"], report["backend"], report["dtype"]) == (2, "gloo", "bf16")

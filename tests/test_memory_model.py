@@ -3,11 +3,10 @@ as the trainer reads them, the tiny model's saved tensors measured on the CPU, a
 docs/benchmarks (docs/benchmarks/measured-peaks.json)."""
 import dataclasses
 import json
-import sys
 
 import pytest
 
-from conftest import WORKER_DIR, child_env, free_port, run
+from conftest import WORKER_DIR, forked
 from litespark_megatron.apps import calibration, memory_model as mm
 from litespark_megatron.apps.memory_model import MemorySetup, estimate, in_flight, layer_bytes
 from litespark_megatron.errors import UserError
@@ -176,8 +175,7 @@ def cpu_saved():
                  "--recompute-num-layers 1",
         "full2": "--micro-batch-size 2 --global-batch-size 2 --recompute-granularity full --recompute-method uniform "
                  "--recompute-num-layers 2"}
-    proc = run([sys.executable, WORKER_DIR / "memory_worker.py", *(f"{base} {f}" for f in settings.values())],
-               env=child_env(MASTER_PORT=free_port()))
+    proc = forked(1, WORKER_DIR / "memory_worker.py", *(f"{base} {f}" for f in settings.values()))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(zip(settings, json.loads(proc.stdout.strip().splitlines()[-1])))
 
