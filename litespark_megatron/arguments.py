@@ -133,6 +133,11 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "GEMMs on a GPU of compute capability 8.9 or more, its plain-torch reference elsewhere); "
                         "megatron-core keeps the output layer in BF16 under every FP8 recipe. It computes the loss "
                         "itself. Off unless given: FP8 logits change the model's numerics")
+    g.add_argument("--litespark-adam", action=argparse.BooleanOptionalAction, default=None,
+                   help="megatron-core's Adam (Transformer Engine's FusedAdam, its states and checkpoints unchanged) "
+                        "steps with Litespark's kernel (kernels/adam.py): the same update, every tensor read and "
+                        "written once in wide loads, one launch per kind of tensors, where TE's kernel loads two bytes "
+                        "at a time. Off unless given (docs/benchmarks/)")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "
@@ -439,6 +444,8 @@ def check(args, plat, world: Optional[int] = None) -> None:
         _check_litespark_rope_fp8_grad(args)
     if args.litespark_fp8_output_layer:
         _check_litespark_fp8_output_layer(args, plat, tp, cp)
+    if args.litespark_adam:
+        _check_litespark_adam(args, plat)
     if args.fp8 and args.fp8_param_gather and args.use_precision_aware_optimizer:
         _check_fp8_parameters_optimizer(args)
     from .peft import check as check_peft
@@ -928,6 +935,39 @@ def _check_litespark_rope_fp8_grad(args) -> None:
         (getattr(args, "peft", None), "with --peft: the adapters add to the QKV GEMM's output; drop one"),
     )
     _refuse_first("--litespark-rope-fp8-grad", refusals)
+
+
+def _dtype_flag(value) -> str:
+    """A dtype flag's value as given (fp32, bf16, fp16, fp8), also after megatron.training mapped it to torch's."""
+    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
+            "torch.uint8": "fp8"}.get(str(value), value)
+
+
+def _check_litespark_adam(args, plat) -> None:
+    """Where megatron-core steps Transformer Engine's FusedAdam on tensors the kernel takes: fp32 or bf16 moments
+    and gradients, fp32 master weights (whole or as bf16 remainders) or none, no FP8 parameters, not captured."""
+    exp_avg, exp_avg_sq, main_params = (_dtype_flag(getattr(args, name)) for name in
+                                        ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"))
+    refusals = (
+        (not plat.te or plat.device_type != "cuda",
+         "steps Transformer Engine's FusedAdam, megatron-core's Adam on a GPU with TE; here megatron-core runs "
+         "torch's Adam: drop the flag"),
+        (args.optimizer != "adam", f"is an Adam step, and the optimizer is --optimizer {args.optimizer}; drop one"),
+        (args.optimizer_cpu_offload, "with --optimizer-cpu-offload: the step runs on the host's copy; drop one"),
+        (args.optimizer_cuda_graph, "with --optimizer-cuda-graph: TE's capturable step reads its learning rate and "
+                                    "step count on the GPU; drop one"),
+        (getattr(args, "use_megatron_fsdp", False), "with --use-megatron-fsdp: its sharded parameters are DTensors; "
+                                                    "drop one"),
+        (args.use_precision_aware_optimizer and (exp_avg in ("fp16", "fp8") or exp_avg_sq in ("fp16", "fp8")),
+         f"takes fp32 or bf16 moments, not --exp-avg-dtype {exp_avg} --exp-avg-sq-dtype {exp_avg_sq} (scaled by "
+         f"TE's FusedAdam); use bf16 or fp32"),
+        (args.use_precision_aware_optimizer and main_params == "fp16",
+         "takes fp32 master weights, not --main-params-dtype fp16 (scaled by TE's FusedAdam); drop one"),
+        (args.fp8 and args.fp8_param_gather, "with --fp8-param-gather: FP8 parameters take TE's FP8 Adam kernel; "
+                                             "drop one"),
+    )
+    _refuse_first("--litespark-adam", refusals)
+    _check_triton("--litespark-adam", plat)
 
 
 def _check_litespark_swiglu(args, plat) -> None:

@@ -166,12 +166,14 @@ class BackendProbe:
 
     def report(self, models=None, config=None, requested: Optional[dict] = None, device_type: str = "cuda",
                cross_entropy: Optional[str] = None, rms_norm: Optional[str] = None,
-               rope: Optional[str] = None, output_layer: Optional[str] = None) -> "Health":
+               rope: Optional[str] = None, output_layer: Optional[str] = None,
+               optimizer: Optional[str] = None) -> "Health":
         """`cross_entropy`: the loss a GPTModel output processor runs instead of the config's (Litespark's kernel,
         kernels/cross_entropy.cross_entropy_path); `rms_norm`: the norm kernel the layers run where it is Litespark's
         (kernels/rms_norm.rms_norm_path); `rope`: the same for the QKV split + RoPE (kernels/qkv_rope.qkv_rope_path);
         `output_layer`: the FP8 output layer's path (kernels/fp8_logits.fp8_logits_path), which computes the loss
-        with Litespark's cross-entropy kernels too."""
+        with Litespark's cross-entropy kernels too; `optimizer`: the Adam step's path where it is Litespark's
+        (kernels/adam.adam_path)."""
         fusions = fusion_states(models or self.models, config, device_type) if config is not None else {}
         if output_layer is not None:
             fusions["output_layer"] = output_layer.replace("litespark", "litespark-fp8", 1)
@@ -182,6 +184,8 @@ class BackendProbe:
             fusions["rms_norm"] = rms_norm
         if rope is not None:
             fusions["rope"] = rope
+        if optimizer is not None:
+            fusions["optimizer"] = optimizer
         return assess(self.attention, fusions, requested or {}, device_type)
 
 
@@ -311,7 +315,7 @@ def from_metrics(records: Sequence[dict]) -> Optional[Health]:
 
 
 FUSION_NAMES = {"cross_entropy": "cross-entropy", "rope": "RoPE", "wgrad_accumulation": "wgrad-accumulation",
-                "rms_norm": "RMSNorm", "mlp": "MLP", "swiglu": "SwiGLU", "output_layer": "output layer"}
+                "rms_norm": "RMSNorm", "mlp": "MLP", "swiglu": "SwiGLU", "output_layer": "output layer", "optimizer": "Adam"}
 
 
 def assess(attention: Sequence[AttentionUse], fusions: Dict[str, str], requested: Dict[str, bool],

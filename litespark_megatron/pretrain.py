@@ -185,9 +185,14 @@ def _probed_forward(run, model):
         from .kernels.fp8_logits import fp8_logits_path
 
         output_layer = fp8_logits_path(device_type)
+    optimizer = None
+    if args.litespark_adam and platform.adam_in_use():
+        from .kernels.adam import adam_path
+
+        optimizer = adam_path(device_type)
     report = probe.report(config=get_model_config(model), requested=backend_probe.requested_fusions(args),
                           device_type=device_type, cross_entropy=cross_entropy, rms_norm=rms_norm, rope=rope,
-                          output_layer=output_layer)
+                          output_layer=output_layer, optimizer=optimizer)
     telemetry.record_health(report)
     return output
 
@@ -317,6 +322,8 @@ def train(args, plat) -> int:
     model_config = model.model_config_from_args(args)
     if args.sample_prompt is not None:
         model_config.post_wrap_hooks.append(sample.keep_model)
+    if args.litespark_adam:
+        platform.use_litespark_adam()
     telemetry.attach(args, plat)
     checkpoint_dir.attach(args)
     watchdog.start(args)

@@ -13,6 +13,7 @@ test_checkpoint_dir.py): when megatron-core is upgraded, these are the files to 
     callbacks.py         the one module that wraps megatron.training's loop (training_log, evaluate, saves, loads)
                          and fires events to its listeners (telemetry, the watchdog, the checkpoint directory)
     optimizer_overrides.py  per-parameter optimizer overrides added to megatron.training's (LoRA-plus)
+    fused_adam.py        megatron-core's Adam stepped by Litespark's kernel (--litespark-adam)
     checkpoint_contents.py  checkpoints of the trainable parameters alone (--save-adapters-only)
     fp8_state.py         Transformer Engine's FP8 delayed-scaling state loaded back on resume (its pickle checked)
     float8_reshape.py    Transformer Engine's Float8Tensor.reshape given its shape as one tuple
@@ -44,6 +45,7 @@ from .helper_processes import STOP_SIGNALS, die_with_parent, helper_processes_di
 from .library_gaps import (load_optimizer_shards_without_autograd, pass_rope_scaling_factor,  # noqa: F401
                            provide_wgrad_accumulation_kernel, resume_distributed_optimizer_on_torch_adam,
                            use_shipped_dataset_helpers)
+from .fused_adam import adam_in_use, use_litespark_adam  # noqa: F401
 from .optimizer_overrides import add_optimizer_overrides  # noqa: F401
 
 # Versions the shims were written against: a test fails when the installed ones differ.

@@ -1,0 +1,297 @@
+"""Litespark's Adam step (kernels/adam.py, --litespark-adam): the reference is Adam (torch's AdamW and Adam in fp64 to
+fp32's rounding), its master weights' remainders hold the fp32 master exactly; the Triton kernel writes the
+reference's bytes for every kind of tensors it takes (through Triton's interpreter on the CPU, compiled on a GPU);
+each tensor it cannot take is one clear error; the flag is refused where megatron-core would not step TE's FusedAdam
+with such tensors; on a GPU the optimizer steps as Transformer Engine's FusedAdam does and a run says it ran."""
+
+import pytest
+import torch
+
+from conftest import run_interpreted
+from test_arguments import CPU, GPU_TE, TINY, check
+from litespark_megatron.arguments import ConfigError
+import litespark_megatron.kernels
+from litespark_megatron.kernels import adam as A
+
+SHARED = """
+import torch
+from litespark_megatron.kernels import adam as A
+
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _tensors(how, param_dtype, grad_dtype, moment_dtype, sizes, seed=1, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    params, grads, ms, vs, masters = [], [], [], [], []
+    for n in sizes:
+        master = torch.randn(n, generator=g) * 0.05
+        if how == "remainders":
+            p, r = A.split_master(master)
+        elif how == "fp32":
+            p, r = master.to(param_dtype), master.clone()
+        else:
+            p, r = master.to(param_dtype), None
+        params.append(p.to(device))
+        masters.append(None if r is None else r.to(device))
+        grads.append((torch.randn(n, generator=g) * 1e-2).to(grad_dtype).to(device))
+        ms.append((torch.randn(n, generator=g) * 1e-3).to(moment_dtype).to(device))
+        vs.append((torch.rand(n, generator=g) * 1e-5).to(moment_dtype).to(device))
+    return A.AdamTensors(how, params, grads, ms, vs, masters)
+
+
+def _master(t, i):
+    if t.how == "remainders":
+        return A.master_from_remainders(t.params[i], t.masters[i])
+    return t.masters[i] if t.how == "fp32" else t.params[i].float()
+
+
+# (how, parameter, gradient, moments, adam_w_mode): every kind of tensors megatron-core's precision-aware optimizer and
+# its fp32 main parameters make, and TE's FusedAdam without master weights.
+KINDS = [("remainders", "bfloat16", "bfloat16", "bfloat16", True), ("remainders", "bfloat16", "float32", "float32", False),
+         ("fp32", "bfloat16", "float32", "bfloat16", True), ("fp32", "float16", "bfloat16", "float32", True),
+         ("none", "float32", "float32", "float32", True), ("none", "bfloat16", "bfloat16", "bfloat16", False)]
+"""
+exec(SHARED)  # the same tensors here and in the interpreted process
+
+
+# ----------------------------------------------------------------------------------- the reference and its masters
+def test_remainders_hold_the_fp32_master_and_the_parameter_is_it_rounded_to_nearest():
+    """Ties (a remainder of exactly half the parameter's last place) round away from zero, as TE's kernel does."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    master = bits.view(torch.float32)
+    master = master[torch.isfinite(master) & (master.abs() < 3e38)]  # rounding up the largest finite is infinite
+    master = torch.cat([master, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40])])
+    param, low = A.split_master(master)
+    assert param.dtype == torch.bfloat16 and low.dtype == torch.int16
+    tie = low == -2 ** 15
+    assert 0 < tie.sum() < 10  # a few among random bits
+    nearest = master.bfloat16().view(torch.int16)  # torch's: ties to even
+    away = (master.view(torch.int32) >> 16).to(torch.int16) + 1  # the magnitude's next bf16
+    assert torch.equal(param.view(torch.int16), torch.where(tie, away, nearest))
+    assert torch.equal(A.master_from_remainders(param, low).view(torch.int32), master.view(torch.int32))
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_the_reference_is_adam(adam_w_mode):
+    """fp32 parameters, three steps, against torch's AdamW (decoupled weight decay) / Adam (L2) in fp64: within a
+    few fp32 roundings of the parameter's step."""
+    torch.manual_seed(0)
+    p64 = (torch.randn(1000) * 0.05).double().requires_grad_()
+    opt = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(
+        [p64], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"])
+    p, m, v = p64.detach().float().clone(), torch.zeros(1000), torch.zeros(1000)
+    start = p.clone()
+    for step in (1, 2, 3):
+        grad = torch.randn(1000) * 1e-2
+        p64.grad = grad.double()
+        opt.step()
+        A.adam_reference(p, grad, m, v, None, A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w_mode), "none")
+    moved = (p64.detach() - start.double()).abs().max()
+    assert ((p.double() - p64.detach()).abs().max() / moved).item() < 1e-5
+
+
+# ----------------------------------------------------------------------------------- the Triton kernel
+INTERPRETED = SHARED + """
+import json
+from litespark_megatron.kernels import adam_triton
+
+out = {}
+for how, param, grad, moment, adam_w in KINDS:
+    dtypes = [getattr(torch, d) for d in (param, grad, moment)]
+    sizes = [5, 1, 700] + ([adam_triton.CHUNK + 37] if how == "remainders" and adam_w else [])  # two chunks of one
+    got, want = _tensors(how, *dtypes, sizes), _tensors(how, *dtypes, sizes)
+    for step in (1, 2):
+        hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
+        adam_triton.adam_multi_tensor(got, hyper)
+        for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
+            A.adam_reference(p, g, m, v, r, hyper, how)
+    lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
+    out["-".join(map(str, (how, param, grad, moment, adam_w)))] = [
+        name for name in lists if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                          for a, b in zip(getattr(got, name), getattr(want, name)))]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_interpreted(tmp_path_factory, "adam-interpreted", INTERPRETED)
+
+
+def test_triton_kernel_writes_the_reference_for_every_kind(interpreted):
+    """Two steps: every tensor it writes (parameters, moments, master weights) byte for byte (the interpreter
+    computes each operation as the reference does, in fp32, no fused multiply-add)."""
+    assert interpreted == {"-".join(map(str, kind)): [] for kind in KINDS}  # the lists that differ: none
+
+
+def test_the_cpu_runs_the_reference():
+    got, want = (_tensors("remainders", torch.bfloat16, torch.bfloat16, torch.bfloat16, [9, 4]) for _ in range(2))
+    hyper = A.AdamHyper(**HYPER, step=1)
+    A.adam_step(got, hyper)
+    for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
+        A.adam_reference(p, g, m, v, r, hyper, "remainders")
+    assert all(torch.equal(a, b) for a, b in zip(got.params + got.masters, want.params + want.masters))
+    assert A.adam_path("cpu") == "litespark (reference)"
+
+
+def _bad(**change):
+    t = _tensors("remainders", torch.bfloat16, torch.bfloat16, torch.bfloat16, [6, 4])
+    for name, value in change.items():
+        setattr(t, name, value(t))
+    return t
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (lambda: _bad(how=lambda t: "fp16"), "Adam: master weights held as 'fp16', not one of ('none', 'fp32', 'remainders')"),
+    (lambda: _bad(grads=lambda t: t.grads[:1]), "Adam: parameters, gradients, moments and master weights differ in number"),
+    (lambda: _bad(exp_avgs=lambda t: [t.exp_avgs[0], t.exp_avgs[1].float()]),
+     "Adam: one launch takes one exp_avg dtype, got ['torch.bfloat16', 'torch.float32']"),
+    (lambda: _bad(exp_avg_sqs=lambda t: [t.exp_avg_sqs[0], torch.zeros(8, dtype=torch.bfloat16)[::2]]),
+     "Adam: tensor 1 ((4,)): its state differs in size or is not contiguous"),
+    (lambda: _bad(masters=lambda t: [x.float() for x in t.masters]),
+     "Adam: master weights held as 'remainders' must be torch.int16"),
+    (lambda: _bad(params=lambda t: [x.float() for x in t.params]),
+     "Adam: torch.float32 parameters with master weights held as 'remainders'"),
+    (lambda: _bad(exp_avgs=lambda t: [x.half() for x in t.exp_avgs]),
+     "Adam: gradients torch.bfloat16, moments torch.float16 / torch.bfloat16: the kernel takes fp32 or bf16 for each"),
+])
+def test_tensors_the_kernel_cannot_take_are_one_clear_error(tensors, message):
+    with pytest.raises(ValueError) as e:
+        A.adam_step(tensors(), A.AdamHyper(**HYPER, step=1))
+    assert str(e.value) == message
+
+
+# ----------------------------------------------------------------------------------- the flag
+PAO = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--bf16"]
+
+
+@pytest.mark.parametrize("flags, plat, message", [
+    ([], CPU, "--litespark-adam steps Transformer Engine's FusedAdam, megatron-core's Adam on a GPU with TE; here "
+              "megatron-core runs torch's Adam: drop the flag"),
+    (["--optimizer", "sgd"], GPU_TE, "--litespark-adam is an Adam step, and the optimizer is --optimizer sgd; drop one"),
+    (["--optimizer-cuda-graph"], GPU_TE,
+     "--litespark-adam with --optimizer-cuda-graph: TE's capturable step reads its learning rate and step count on "
+     "the GPU; drop one"),
+    (PAO + ["--exp-avg-dtype", "fp16"], GPU_TE,
+     "--litespark-adam takes fp32 or bf16 moments, not --exp-avg-dtype fp16 --exp-avg-sq-dtype fp32 (scaled by TE's "
+     "FusedAdam); use bf16 or fp32"),
+    (PAO + ["--exp-avg-sq-dtype", "fp8"], GPU_TE,
+     "--litespark-adam takes fp32 or bf16 moments, not --exp-avg-dtype fp32 --exp-avg-sq-dtype fp8 (scaled by TE's "
+     "FusedAdam); use bf16 or fp32"),
+    (PAO + ["--main-params-dtype", "fp16"], GPU_TE,
+     "--litespark-adam takes fp32 master weights, not --main-params-dtype fp16 (scaled by TE's FusedAdam); drop one"),
+])
+def test_the_flag_is_refused_where_the_kernel_would_not_step(flags, plat, message):
+    with pytest.raises(ConfigError) as e:
+        check(TINY + ["--litespark-adam"] + flags, plat)
+    assert str(e.value) == message
+
+
+def test_the_flag_is_taken_with_the_precision_aware_optimizer_and_without(monkeypatch):
+    for flags in ([], ["--bf16"], PAO + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+                                         "--main-grads-dtype", "bf16"]):
+        assert check(TINY + ["--litespark-adam"] + flags, GPU_TE).litespark_adam
+    assert not check(TINY, GPU_TE).litespark_adam  # off unless given
+    monkeypatch.setattr(litespark_megatron.kernels, "triton_available", lambda: False)
+    with pytest.raises(ConfigError, match="^--litespark-adam on a GPU runs Triton kernels"):
+        check(TINY + ["--litespark-adam"], GPU_TE)
+
+
+# ----------------------------------------------------------------------------------- on a GPU
+def _te_fused_adam():
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except ImportError:
+        return None
+    return FusedAdam
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
+@pytest.mark.parametrize("how, param, grad, moment, adam_w", KINDS)
+def test_compiled_kernel_writes_the_reference(how, param, grad, moment, adam_w):
+    """A tensor of llama-3b's output layer's size / 8 (many chunks) and small ones, three steps, compiled: every
+    tensor byte for byte (the kernel is compiled without fused multiply-adds)."""
+    dtypes = [getattr(torch, d) for d in (param, grad, moment)]
+    sizes = [3072, 1, 128256 * 3072 // 8 + 5]
+    got, want = (_tensors(how, *dtypes, sizes, device="cuda") for _ in range(2))
+    for step in (1, 2, 3):
+        hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
+        A.adam_step(got, hyper)
+        for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
+            A.adam_reference(p, g, m, v, r, hyper, how)
+    lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
+    for name in lists:
+        for a, b in zip(getattr(got, name), getattr(want, name)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert A.adam_path("cuda") == "litespark"
+
+
+def _te_fused_adam():
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except ImportError:
+        return None
+    return FusedAdam
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_te_fused_adam() is None, reason="Transformer Engine's FusedAdam runs on a GPU with TE")
+@pytest.mark.parametrize("moments, grads, master_weights", [
+    (torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float32, True), (torch.float32, torch.float32, False)])
+def test_the_optimizer_steps_as_transformer_engines(moments, grads, master_weights):
+    """LitesparkFusedAdam against TE's FusedAdam on the same parameters and gradients, as megatron-core builds them
+    (master weights as bf16 remainders, decoupled gradients; or fp32 parameters), two parameter groups, three steps.
+    TE's kernel rounds its multiply-adds once (fused) where Litespark's rounds twice, as the reference does: the
+    master weights agree to the last bit on most elements, and beyond 4 roundings of the weight or its step on at
+    most 1% (measured on an H200: up to 0.3%, where the moment's update cancels); the bf16 parameters on all but
+    0.1% (measured: 0.03%). The same states and state_dict, which each loads from the other."""
+    from litespark_megatron.platform.fused_adam import litespark_fused_adam
+
+    FusedAdam = _te_fused_adam()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(3072, 1000), (3072,), (17, 5)]
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    start = [torch.randn(s, device="cuda", generator=g, dtype=dtype) * 0.05 for s in shapes]
+    grads = [[torch.randn(s, device="cuda", generator=g).to(grads) * 1e-2 for s in shapes] for _ in range(3)]
+    kwargs = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True, exp_avg_dtype=moments,
+                  exp_avg_sq_dtype=moments)
+    if master_weights:
+        kwargs.update(master_weights=True, use_decoupled_grad=True, store_param_remainders=True)
+    optimizers, params = [], []
+    for cls in (FusedAdam, litespark_fused_adam()):
+        ps = [torch.nn.Parameter(x.clone()) for x in start]
+        optimizers.append(cls([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
+                              **kwargs))
+        params.append(ps)
+    for step_grads in grads:
+        for opt, ps in zip(optimizers, params):
+            for p, grad in zip(ps, step_grads):
+                if master_weights:
+                    p.decoupled_grad = grad.clone()
+                else:
+                    p.grad = grad.clone()
+            opt.step()
+    te, ours = optimizers
+    ulps, differ = [], []
+    for a, b, x in zip(*params, start):
+        sa, sb = te.state[a], ours.state[b]
+        assert sorted(sa) == sorted(sb)
+        if master_weights:
+            differ.append((a.data != b.data).flatten())
+            ma, mb = (A.master_from_remainders(y, s["master_param"]) for y, s in ((a.data, sa), (b.data, sb)))
+        else:
+            ma, mb = a.data, b.data
+        scale = torch.maximum(ma.abs(), (ma - x.float()).abs())
+        ulps.append(((ma - mb).abs() / (scale * torch.finfo(torch.float32).eps)).flatten())
+    ulps = torch.cat(ulps)  # over every element: the small tensors alone are too few for a share
+    assert ulps.median().item() == 0 and (ulps > 4).float().mean().item() <= 1e-2
+    assert not differ or torch.cat(differ).float().mean().item() <= 1e-3
+    state_te, state_ours = te.state_dict(), ours.state_dict()
+    assert [g["step"] for g in state_te["param_groups"]] == [g["step"] for g in state_ours["param_groups"]] == [3, 3]
+    for k in state_te["state"]:
+        assert {n: (t.dtype, t.shape) for n, t in state_te["state"][k].items()} == \
+            {n: (t.dtype, t.shape) for n, t in state_ours["state"][k].items()}
+    ours.load_state_dict(state_te)  # a checkpoint of TE's optimizer resumes in Litespark's
