@@ -20,6 +20,10 @@ from litespark_megatron.apps import kernel_bench
                                  "from --model NAME (see --help)"),
     (["--kernel", "fp8-logits", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels "
                                                         "it compares run on a GPU"),
+    (["--kernel", "adam"], "kernel_bench.py: error: --kernel adam takes its parameters' shapes from --model NAME "
+                           "(see --help)"),
+    (["--kernel", "adam", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it "
+                                                  "compares run on a GPU"),
 ])
 def test_refusals_are_one_line_and_exit_2(argv, message, capsys):
     assert kernel_bench.main(argv) == 2
@@ -100,3 +104,48 @@ def test_the_fp8_output_layer_table_has_every_candidate_within_its_rounding():
         assert "unavailable" not in r, r
         assert r["error_outputs"] <= outputs and r["error_gradients"] <= gradients, r
         assert r["forward_backward_kernel_ms"] > r["forward_kernel_ms"] > 0, r
+
+
+def test_adam_takes_the_presets_parameters():
+    """llama-3b: 3 + 28 x 6 tensors, 3,606,752,256 parameters (its output layer untied); tiny the same way."""
+    from litespark_megatron.presets import PRESETS
+
+    shapes = kernel_bench.parameter_shapes(PRESETS["llama-3b"].flags)
+    assert len(shapes) == 171 and sum(torch.Size(s).numel() for s in shapes) == 3_606_752_256
+    assert shapes[:3] == [(128256, 3072), (128256, 3072), (3072,)] and shapes[3:9] == [
+        (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (3072,), (3072,)]
+    tied = dict(PRESETS["tiny"].flags, **{"untie-embeddings-and-output-weights": False})
+    assert kernel_bench.parameter_shapes(tied)[:2] == [(4096, 128), (128,)]
+
+
+def test_adam_counts_master_weights_that_differ_from_the_reference():
+    """The share of elements whose master weight differs in any bit from the reference's first step: none for the
+    reference's own step, one element of 17 + 12 when one remainder is off by one."""
+    from types import SimpleNamespace
+
+    from litespark_megatron.kernels import adam as A
+
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in ((17,), (3, 4))]
+    start = [(p.detach().clone(), torch.randn(p.shape).bfloat16() * 1e-3) for p in params]
+    group = dict(params=params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    state = {}
+    for p, (_, grad) in zip(params, start):
+        m, v, r = torch.zeros(p.shape).bfloat16(), torch.zeros(p.shape).bfloat16(), torch.zeros(p.shape, dtype=torch.int16)
+        A.adam_reference(p.data, grad, m, v, r, A.AdamHyper(1e-4, 0.9, 0.95, 1e-8, 0.1, step=1), "remainders")
+        state[p] = dict(exp_avg=m, exp_avg_sq=v, master_param=r)
+    optimizer = SimpleNamespace(param_groups=[group], state=state)
+    assert kernel_bench._adam_differs(optimizer, params, start) == 0
+    state[params[1]]["master_param"][0, 0] += 1
+    assert kernel_bench._adam_differs(optimizer, params, start) == pytest.approx(1 / 29)
+
+
+def test_adam_table_shows_the_step_and_the_master_weights_that_differ():
+    base = dict(kernel="adam", shape="171 tensors, 3.61 B parameters", dtype="bf16 parameters + remainders, "
+                "bf16 gradients, bfloat16 moments")
+    rows = [dict(base, candidate="te", step_ms=39.8, step_kernel_ms=39.6, gb_s=1640.2, master_bits_differ=0.0021),
+            dict(base, candidate="litespark", unavailable="Triton does not import here")]
+    assert kernel_bench.render_adam(rows).splitlines()[2:] == [
+        "| adam | te | 171 tensors, 3.61 B parameters | bf16 parameters + remainders, bf16 gradients, bfloat16 moments "
+        "| 39.60 / 1,640 / 39.80 | 0.210% |",
+        "| adam | litespark | 171 tensors, 3.61 B parameters | bf16 parameters + remainders, bf16 gradients, bfloat16 "
+        "moments | not run: Triton does not import here | |"]

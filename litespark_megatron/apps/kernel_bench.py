@@ -4,6 +4,7 @@
     python tools/kernel_bench.py --kernel qkv-rope --model llama-3b --micro-batch-size 4 --json
     python tools/kernel_bench.py --kernel swiglu-fp8 --model llama-3b
     python tools/kernel_bench.py --kernel fp8-logits --model llama-3b --tokens 8192
+    python tools/kernel_bench.py --kernel adam --model llama-3b --moments bf16
 
 Each candidate runs the same inputs forward, and forward+backward, two ways: under triton.testing.do_bench (the L2
 flushed between repeats, the median of its repeats: the time a caller waits, the host's launch work included, which
@@ -12,6 +13,12 @@ what a training step pays, where the host runs ahead of the GPU). The row gives 
 over the kernels' time (GB/s: a memory-bound kernel's grade), and its largest difference from the reference computed
 in fp64 (relative to the reference's largest value), outputs and gradients, so a fast row that is wrong shows it. A
 candidate that cannot run here (no Transformer Engine, no Triton) is a row saying why, never a number.
+
+`--kernel adam` times one optimizer step over a model's parameters instead (the step has no forward), as
+megatron-core's precision-aware optimizer holds them (bf16 parameters with their master weights' remainders, bf16
+main gradients, --moments bf16 or fp32): Transformer Engine's FusedAdam against Litespark's step
+(--litespark-adam), the bytes the step must move over its kernels' time, and the share of elements whose master
+weight differs in any bit from the plain-torch reference's after one step.
 """
 from __future__ import annotations
 
@@ -259,6 +266,98 @@ def bench_fp8_logits(hidden: int, vocab: int, tokens: int) -> List[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- the harness
+# ---------------------------------------------------------------------------------------------- Adam
+def parameter_shapes(flags: dict) -> List[tuple]:
+    """The shapes of a Llama preset's parameters on one GPU: embedding (and output layer unless tied), per layer QKV,
+    projection, fc1 (gate and up), fc2 and two norms, the final norm."""
+    h, ffn, layers = int(flags["hidden-size"]), int(flags["ffn-hidden-size"]), int(flags["num-layers"])
+    heads = int(flags["num-attention-heads"])
+    qkv = h + 2 * int(flags.get("num-query-groups", heads)) * (h // heads)
+    vocab = int(flags["vocab-size"])
+    outer = [(vocab, h)] * (2 if flags.get("untie-embeddings-and-output-weights") else 1) + [(h,)]
+    return outer + [s for _ in range(layers) for s in ((qkv, h), (h, h), (2 * ffn, h), (h, ffn), (h,), (h,))]
+
+
+def _adam_state(shapes, moments: torch.dtype, seed: int = 0):
+    """bf16 parameters, bf16 gradients (`decoupled_grad`, as megatron-core hands them) in two groups, as
+    megatron-core's precision-aware optimizer builds them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = [torch.nn.Parameter((torch.randn(s, device="cuda", generator=g) * 0.02).bfloat16()) for s in shapes]
+    for p in params:
+        p.decoupled_grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-3).bfloat16()
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    return params, groups, dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True, master_weights=True,
+                                use_decoupled_grad=True, store_param_remainders=True, exp_avg_dtype=moments,
+                                exp_avg_sq_dtype=moments)
+
+
+def _adam_differs(optimizer, params, start) -> float:
+    """Share of elements whose master weight differs in any bit from the reference's after the step just taken
+    from `start` (zero moments, step 1)."""
+    from litespark_megatron.kernels import adam as A
+
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    differ = total = 0
+    for p, (param0, grad) in zip(params, start):
+        group, state = group_of[id(p)], optimizer.state[p]
+        param, remainders = param0.clone(), torch.zeros_like(param0, dtype=torch.int16)
+        m, v = (torch.zeros_like(state[n]) for n in ("exp_avg", "exp_avg_sq"))
+        hyper = A.AdamHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                            weight_decay=group["weight_decay"], step=1)
+        A.adam_reference(param, grad, m, v, remainders, hyper, "remainders")
+        got = A.master_from_remainders(p.data, state["master_param"])
+        differ += int((got != A.master_from_remainders(param, remainders)).sum())
+        total += p.numel()
+    return differ / total
+
+
+def bench_adam(flags: dict, moments: torch.dtype) -> List[dict]:
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except ImportError as e:
+        return [dict(kernel="adam", candidate=c, unavailable=f"Transformer Engine does not import ({type(e).__name__})")
+                for c in ("te", "litespark")]
+    from litespark_megatron.kernels import adam as A
+    from litespark_megatron.platform.fused_adam import litespark_fused_adam
+
+    shapes = parameter_shapes(flags)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    per = 2 + 4 + 4 + (8 if moments == torch.bfloat16 else 16)  # gradient read; parameter, remainder, moments r+w
+    row = dict(kernel="adam", shape=f"{len(shapes)} tensors, {n / 1e9:.2f} B parameters",
+               dtype=f"bf16 parameters + remainders, bf16 gradients, {str(moments)[6:]} moments")
+    rows = []
+    for name, cls in (("te", FusedAdam), ("litespark", litespark_fused_adam())):
+        if name == "litespark" and A.adam_path("cuda") != "litespark":
+            rows.append(dict(row, candidate=name, unavailable="Triton does not import here"))
+            continue
+        params, groups, kwargs = _adam_state(shapes, moments)
+        start = [(p.detach().clone(), p.decoupled_grad.clone()) for p in params]
+        optimizer = cls(groups, **kwargs)
+        optimizer.step()
+        differs = _adam_differs(optimizer, params, start)
+        del start
+        ms, kernel_ms = _median_ms(optimizer.step), _kernel_ms(optimizer.step)
+        rows.append(dict(row, candidate=name, step_ms=ms, step_kernel_ms=kernel_ms, gb_s=n * per / kernel_ms / 1e6,
+                         master_bits_differ=differs))
+        del optimizer, params, groups
+        torch.cuda.empty_cache()
+    return rows
+
+
+def render_adam(rows: Sequence[dict]) -> str:
+    lines = ["| kernel | candidate | parameters | dtype | step: kernels ms / GB/s / wall ms | master weights differing "
+             "from the reference |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['kernel']} | {r['candidate']} | {r.get('shape', '')} | {r.get('dtype', '')} |"
+        if "unavailable" in r:
+            lines.append(f"{head} not run: {r['unavailable']} | |")
+            continue
+        lines.append(f"{head} {r['step_kernel_ms']:.2f} / {r['gb_s']:,.0f} / {r['step_ms']:.2f} | "
+                     f"{r['master_bits_differ']:.3%} |")
+    return "\n".join(lines)
+
+
 def _import_te():
     try:
         import transformer_engine.pytorch as te
@@ -330,7 +429,8 @@ def render(rows: Sequence[dict]) -> str:
 
 def build_parser() -> cli.OneLineParser:
     p = cli.OneLineParser(prog="kernel_bench.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8", "fp8-logits"], default="rms-norm")
+    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8", "fp8-logits", "adam"],
+                   default="rms-norm")
     p.add_argument("--model", choices=sorted(PRESETS), help="take the shape (hidden size, heads) from this preset")
     p.add_argument("--hidden", type=cli.positive_int, action="append",
                    help="rms-norm: hidden size (repeatable; default the --model's)")
@@ -340,6 +440,8 @@ def build_parser() -> cli.OneLineParser:
     p.add_argument("--seq-length", type=cli.positive_int, default=4096, help="qkv-rope: sequence length")
     p.add_argument("--micro-batch-size", type=cli.positive_int, default=4, help="qkv-rope: micro-batch")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--moments", choices=("bf16", "fp32"), default="bf16",
+                   help="adam: the moments' dtype (--exp-avg-dtype and --exp-avg-sq-dtype)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines instead of a table")
     return p
 
@@ -355,9 +457,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hidden = list(opts.hidden or []) or ([int(flags["hidden-size"])] if flags else [])
     if opts.kernel == "rms-norm" and not hidden:
         return _refuse("give --hidden N or --model NAME")
-    if opts.kernel in ("qkv-rope", "swiglu-fp8", "fp8-logits") and not flags:
+    if opts.kernel in ("qkv-rope", "swiglu-fp8", "fp8-logits", "adam") and not flags:
         what = {"qkv-rope": "heads, query groups and head size", "swiglu-fp8": "FFN size",
-                "fp8-logits": "hidden size and vocabulary"}[opts.kernel]
+                "fp8-logits": "hidden size and vocabulary", "adam": "parameters' shapes"}[opts.kernel]
         return _refuse(f"--kernel {opts.kernel} takes its {what} from --model NAME")
     if not torch.cuda.is_available():
         return _refuse("no CUDA device here; the kernels it compares run on a GPU", see_help=False)
@@ -369,11 +471,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows += bench_swiglu_fp8(int(flags["ffn-hidden-size"]), opts.tokens)
     elif opts.kernel == "fp8-logits":
         rows += bench_fp8_logits(int(flags["hidden-size"]), int(flags["vocab-size"]), opts.tokens)
+    elif opts.kernel == "adam":
+        rows += bench_adam(flags, DTYPES[opts.moments])
     else:
         heads = int(flags["num-attention-heads"])
         rows += bench_qkv_rope(heads, int(flags.get("num-query-groups", heads)),
                                int(flags["hidden-size"]) // heads, opts.seq_length, opts.micro_batch_size,
                                DTYPES[opts.dtype])
+    table = render_adam(rows) if opts.kernel == "adam" else render(rows)
     print("\n".join(json.dumps(r) for r in rows) if opts.json else
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + render(rows))
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + table)
     return 0
