@@ -7,7 +7,7 @@ with such tensors; on a GPU the optimizer steps as Transformer Engine's FusedAda
 import pytest
 import torch
 
-from conftest import run_interpreted
+from conftest import child_env, free_port, losses, ok, records, run_interpreted, train
 from test_arguments import CPU, GPU_TE, TINY, check
 from litespark_megatron.arguments import ConfigError
 import litespark_megatron.kernels
@@ -295,3 +295,35 @@ def test_the_optimizer_steps_as_transformer_engines(moments, grads, master_weigh
         assert {n: (t.dtype, t.shape) for n, t in state_te["state"][k].items()} == \
             {n: (t.dtype, t.shape) for n, t in state_ours["state"][k].items()}
     ours.load_state_dict(state_te)  # a checkpoint of TE's optimizer resumes in Litespark's
+
+
+BF16_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-batch-size", "8", "--micro-batch-size",
+            "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "6", "--log-interval", "1", "--eval-iters",
+            "0", "--eval-interval", "100", "--seed", "7", "--save-interval", "100", "--bf16", "--spec", "litespark",
+            "--transformer-impl", "transformer_engine", "--use-distributed-optimizer",
+            "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
+            "--exp-avg-sq-dtype", "bf16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_te_fused_adam() is None, reason="Transformer Engine's FusedAdam runs on a GPU with TE")
+def test_a_run_with_the_flag_trains_as_tes_adam_says_so_and_resumes_bit_exactly(tmp_path):
+    """Six BF16 steps under the precision-aware optimizer (bf16 moments, master weights as remainders) with
+    --litespark-adam against TE's step: the same losses to the fused multiply-adds' rounding, the record names the
+    kernel (megatron-core built its optimizer from the global the flag replaced), and a run stopped at step 3 and
+    resumed (the optimizer's state in TE's form) equals the uninterrupted one bit for bit."""
+    def env():
+        return child_env(MASTER_PORT=free_port())
+    tes, straight, halves = tmp_path / "te", tmp_path / "straight", tmp_path / "halves"
+    ok(train(1, *BF16_RUN, "--save", tes, env=env()))
+    ok(train(1, *BF16_RUN, "--litespark-adam", "--save", straight, env=env()))
+    ok(train(1, *BF16_RUN, "--litespark-adam", "--save", halves, "--load", halves, "--exit-interval", "3",
+             env=env()))
+    ok(train(1, *BF16_RUN, "--litespark-adam", "--save", halves, "--load", halves, env=env()))
+    base, fast, resumed = (losses(d / "metrics.jsonl") for d in (tes, straight, halves))
+    assert sorted(fast) == sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert [fast[s] for s in range(1, 7)] == [resumed[s] for s in range(1, 7)], (fast, resumed)
+    assert all(abs(fast[s] - base[s]) <= 1e-2 * abs(base[s]) for s in range(1, 7)), (fast, base)
+    health = [r for r in records(straight / "metrics.jsonl") if r["kind"] == "health"][0]
+    assert health["fusions"]["optimizer"] == "litespark" and not health["degraded"], health
+    assert "optimizer" not in [r for r in records(tes / "metrics.jsonl") if r["kind"] == "health"][0]["fusions"]
