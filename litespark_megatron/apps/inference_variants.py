@@ -1,6 +1,6 @@
 """The precisions the inference benchmark compares, and how each turns a loaded HF Llama into that precision: 16-bit
-dtypes, torchao's weight-only int4 (round-to-nearest, HQQ or AWQ-calibrated scales), torchao float8 and
-bitsandbytes NF4. What the weights then occupy is measured from the tensors that hold them.
+dtypes, torchao's weight-only int4 (round-to-nearest, HQQ or AWQ-calibrated scales), Litespark's own int4 layer
+(round-to-nearest, its Triton kernel for decode), torchao float8 and bitsandbytes NF4. What the weights then occupy is measured from the tensors that hold them.
 
 torchao's int4 lives in two tensors of one format (asymmetric int4, a bf16 scale and zero per group of 128 input
 columns, the "tinygemm" layout): on a CUDA GPU `Int4WeightOnlyConfig` with the tile_packed_to_4d packing (aten's
@@ -41,6 +41,9 @@ VARIANTS: Dict[str, InferenceVariant] = {v.name: v for v in (
                                  "activations", "bf16", 4),
     InferenceVariant("int4-awq", "torchao AWQ (activation-aware per-channel scales, calibrated on held-out text) "
                                  "over int4 weight-only group 128", "bf16", 4, needs_calibration=True),
+    InferenceVariant("int4-litespark", "Litespark int4 weight-only, group 128, round-to-nearest scales and zeros, "
+                                       "its Triton kernel for decode (kernels/int4_linear.py), bf16 activations",
+                     "bf16", 4),
     InferenceVariant("fp8", "torchao float8 (e4m3) weights and dynamic per-row activations", "bf16", 8,
                      needs_cuda=True),
     InferenceVariant("nf4", "bitsandbytes NF4 weight-only (block 64), bf16 compute", "bf16", 4),
@@ -69,7 +72,8 @@ def cannot_run_reason(name: str, cuda_capability: Optional[tuple]) -> Optional[s
     import importlib.util
 
     variant = VARIANTS[name]
-    if variant.weight_bits < 16 and variant.name != "nf4" and importlib.util.find_spec("torchao") is None:
+    if variant.weight_bits < 16 and variant.name not in ("nf4", "int4-litespark") and \
+            importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install 'litespark-megatron[inference]')"
     if name == "fp8":
         if cuda_capability is None:
@@ -121,9 +125,11 @@ def quantize(model, name: str, cuda: bool, calibrate: Optional[Callable] = None,
         return dict(method="bitsandbytes BitsAndBytesConfig(load_in_4bit, nf4, bf16 compute), applied at loading",
                     quantized_layers=sum(type(m).__name__ == "Linear4bit" for m in model.modules()),
                     layers_left_16bit=sum(type(m).__name__ == "Linear" for m in model.modules()))
+    wanted = _layer_filter(quantize_lm_head)
+    if name == "int4-litespark":
+        return _int4_litespark(model, wanted, len(linears), cuda)
     from torchao.quantization import quantize_
 
-    wanted = _layer_filter(quantize_lm_head)
     if name in ("int4", "int4-hqq"):
         config, method = _int4_config(cuda, "hqq" if name == "int4-hqq" else "tinygemm")
         quantize_(model, config, filter_fn=wanted)
@@ -146,6 +152,19 @@ def quantize(model, name: str, cuda: bool, calibrate: Optional[Callable] = None,
         raise ValueError(f"no quantization for variant {name}")
     quantized = [fqn for fqn, m in model.named_modules() if fqn in linears and is_quantized(m.weight)]
     return dict(method=method, quantized_layers=len(quantized), layers_left_16bit=len(linears) - len(quantized))
+
+
+def _int4_litespark(model, wanted: Callable, linears: int, cuda: bool) -> dict:
+    """Each wanted nn.Linear replaced by Litespark's Int4Linear (a layer whose input width is not whole groups stays
+    16-bit)."""
+    from ..kernels.int4_linear import GROUP, Int4Linear, int4_path
+
+    chosen = [(fqn, m) for fqn, m in model.named_modules() if wanted(m, fqn) and m.in_features % GROUP == 0]
+    for fqn, linear in chosen:
+        parent, _, attr = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, Int4Linear.from_linear(linear))
+    return dict(method=f"litespark Int4Linear(group={GROUP}, round-to-nearest), {int4_path('cuda' if cuda else 'cpu')}",
+                quantized_layers=len(chosen), layers_left_16bit=linears - len(chosen))
 
 
 def is_quantized(weight) -> bool:
@@ -185,8 +204,11 @@ def weight_bytes(model) -> int:
 def dequantized_weight(linear):
     """The weight a quantized linear layer multiplies by, as a plain tensor [out, in]: the layer applied to the
     identity (so what the kernel computes, whatever the packing), less its bias. AWQ's activation pre-scale is part
-    of it."""
+    of it. (Litespark's Int4Linear says it itself.)"""
     import torch
+
+    if hasattr(linear, "dequantized"):
+        return linear.dequantized()
 
     eye = torch.eye(linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
     out = torch.nn.functional.linear(eye, linear.weight)
