@@ -22,6 +22,10 @@ from litespark_megatron.apps import kernel_bench
                                                         "it compares run on a GPU"),
     (["--kernel", "adam"], "kernel_bench.py: error: --kernel adam takes its parameters' shapes from --model NAME "
                            "(see --help)"),
+    (["--kernel", "int4-linear"], "kernel_bench.py: error: --kernel int4-linear takes its linear layers' shapes from "
+                                  "--model NAME (see --help)"),
+    (["--kernel", "int4-linear", "--model", "llama-1b"], "kernel_bench.py: error: no CUDA device here; the kernels "
+                                                         "it compares run on a GPU"),
     (["--kernel", "adam", "--model", "llama-3b"], "kernel_bench.py: error: no CUDA device here; the kernels it "
                                                   "compares run on a GPU"),
 ])
@@ -149,3 +153,17 @@ def test_adam_table_shows_the_step_and_the_master_weights_that_differ():
         "| 39.60 / 1,640 / 39.80 | 0.210% |",
         "| adam | litespark | 171 tensors, 3.61 B parameters | bf16 parameters + remainders, bf16 gradients, bfloat16 "
         "moments | not run: Triton does not import here | |"]
+
+
+def test_int4_linear_takes_the_blocks_linears_and_shows_what_each_reads_per_second():
+    from litespark_megatron.presets import PRESETS
+
+    assert kernel_bench.linear_shapes(PRESETS["llama-3b"].flags) == [
+        ("qkv", 5120, 3072), ("proj", 3072, 3072), ("fc1", 16384, 3072), ("fc2", 3072, 8192)]
+    base = dict(kernel="int4-linear", shape="fc1 1 x 3072 -> 16384", dtype="bf16 activations")
+    rows = [dict(base, candidate="torch bf16", step_ms=0.0712, step_kernel_ms=0.0301, gb_s=3344.6, error=0.0),
+            dict(base, candidate="litespark int4", unavailable="Triton does not import here")]
+    assert kernel_bench.render_products(rows).splitlines()[2:] == [
+        "| int4-linear | torch bf16 | fc1 1 x 3072 -> 16384 | bf16 activations | 0.0301 / 3,345 / 0.0712 | 0.0e+00 |",
+        "| int4-linear | litespark int4 | fc1 1 x 3072 -> 16384 | bf16 activations | not run: Triton does not import "
+        "here | |"]

@@ -5,6 +5,7 @@
     python tools/kernel_bench.py --kernel swiglu-fp8 --model llama-3b
     python tools/kernel_bench.py --kernel fp8-logits --model llama-3b --tokens 8192
     python tools/kernel_bench.py --kernel adam --model llama-3b --moments bf16
+    python tools/kernel_bench.py --kernel int4-linear --model llama-1b --rows 1 --rows 8 --rows 32
 
 Each candidate runs the same inputs forward, and forward+backward, two ways: under triton.testing.do_bench (the L2
 flushed between repeats, the median of its repeats: the time a caller waits, the host's launch work included, which
@@ -19,6 +20,10 @@ megatron-core's precision-aware optimizer holds them (bf16 parameters with their
 main gradients, --moments bf16 or fp32): Transformer Engine's FusedAdam against Litespark's step
 (--litespark-adam), the bytes the step must move over its kernels' time, and the share of elements whose master
 weight differs in any bit from the plain-torch reference's after one step.
+
+`--kernel int4-linear` times decode's matrix products (a few rows of activations, --rows) by each linear layer of a
+model's blocks: torch's bf16 GEMM against Litespark's int4 layer (kernels/int4_linear.py), the weight bytes each must
+read over its kernels' time, and the int4 result's largest difference from its reference.
 """
 from __future__ import annotations
 
@@ -358,6 +363,58 @@ def render_adam(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------- int4 linear
+def linear_shapes(flags: dict) -> List[tuple]:
+    """(name, out, in) of a Llama block's linear layers: QKV, projection, fc1 (gate and up), fc2."""
+    h, ffn, heads = int(flags["hidden-size"]), int(flags["ffn-hidden-size"]), int(flags["num-attention-heads"])
+    qkv = h + 2 * int(flags.get("num-query-groups", heads)) * (h // heads)
+    return [("qkv", qkv, h), ("proj", h, h), ("fc1", 2 * ffn, h), ("fc2", h, ffn)]
+
+
+def bench_int4_linear(flags: dict, rows_list: Sequence[int]) -> List[dict]:
+    from litespark_megatron.kernels import int4_linear as L
+
+    out = []
+    for name, n, k in linear_shapes(flags):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        packed, scale, zero = L.quantize_int4(w)
+        int4_bytes = sum(t.numel() * t.element_size() for t in (packed, scale, zero))
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+            row = dict(kernel="int4-linear", shape=f"{name} {rows} x {k} -> {n}", dtype="bf16 activations")
+
+            def dense():
+                return torch.nn.functional.linear(x, w)
+
+            def int4():
+                return L.int4_linear(x, packed, scale, zero)
+            kernel_ms = _kernel_ms(dense)
+            out.append(dict(row, candidate="torch bf16", step_ms=_median_ms(dense), step_kernel_ms=kernel_ms,
+                            gb_s=w.numel() * 2 / kernel_ms / 1e6, error=0.0))
+            if L.int4_path("cuda") != "litespark":
+                out.append(dict(row, candidate="litespark int4", unavailable="Triton does not import here"))
+                continue
+            want = x.double() @ L.dequantize_int4(packed, scale, zero).to(torch.bfloat16).double().t()
+            kernel_ms = _kernel_ms(int4)
+            out.append(dict(row, candidate="litespark int4", step_ms=_median_ms(int4), step_kernel_ms=kernel_ms,
+                            gb_s=int4_bytes / kernel_ms / 1e6,
+                            error=float((int4().double() - want).abs().max() / want.abs().max())))
+    return out
+
+
+def render_products(rows: Sequence[dict]) -> str:
+    lines = ["| kernel | candidate | product | dtype | kernels ms / weight GB/s / wall ms | error (vs fp64) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['kernel']} | {r['candidate']} | {r.get('shape', '')} | {r.get('dtype', '')} |"
+        if "unavailable" in r:
+            lines.append(f"{head} not run: {r['unavailable']} | |")
+            continue
+        lines.append(f"{head} {r['step_kernel_ms']:.4f} / {r['gb_s']:,.0f} / {r['step_ms']:.4f} | {r['error']:.1e} |")
+    return "\n".join(lines)
+
+
 def _import_te():
     try:
         import transformer_engine.pytorch as te
@@ -429,7 +486,7 @@ def render(rows: Sequence[dict]) -> str:
 
 def build_parser() -> cli.OneLineParser:
     p = cli.OneLineParser(prog="kernel_bench.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8", "fp8-logits", "adam"],
+    p.add_argument("--kernel", choices=["rms-norm", "qkv-rope", "swiglu-fp8", "fp8-logits", "adam", "int4-linear"],
                    default="rms-norm")
     p.add_argument("--model", choices=sorted(PRESETS), help="take the shape (hidden size, heads) from this preset")
     p.add_argument("--hidden", type=cli.positive_int, action="append",
@@ -440,6 +497,8 @@ def build_parser() -> cli.OneLineParser:
     p.add_argument("--seq-length", type=cli.positive_int, default=4096, help="qkv-rope: sequence length")
     p.add_argument("--micro-batch-size", type=cli.positive_int, default=4, help="qkv-rope: micro-batch")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--rows", type=cli.positive_int, action="append",
+                   help="int4-linear: rows of activations, decode's batch (repeatable; default 1, 8 and 32)")
     p.add_argument("--moments", choices=("bf16", "fp32"), default="bf16",
                    help="adam: the moments' dtype (--exp-avg-dtype and --exp-avg-sq-dtype)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines instead of a table")
@@ -457,9 +516,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hidden = list(opts.hidden or []) or ([int(flags["hidden-size"])] if flags else [])
     if opts.kernel == "rms-norm" and not hidden:
         return _refuse("give --hidden N or --model NAME")
-    if opts.kernel in ("qkv-rope", "swiglu-fp8", "fp8-logits", "adam") and not flags:
+    if opts.kernel in ("qkv-rope", "swiglu-fp8", "fp8-logits", "adam", "int4-linear") and not flags:
         what = {"qkv-rope": "heads, query groups and head size", "swiglu-fp8": "FFN size",
-                "fp8-logits": "hidden size and vocabulary", "adam": "parameters' shapes"}[opts.kernel]
+                "fp8-logits": "hidden size and vocabulary", "adam": "parameters' shapes",
+                "int4-linear": "linear layers' shapes"}[opts.kernel]
         return _refuse(f"--kernel {opts.kernel} takes its {what} from --model NAME")
     if not torch.cuda.is_available():
         return _refuse("no CUDA device here; the kernels it compares run on a GPU", see_help=False)
@@ -473,12 +533,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows += bench_fp8_logits(int(flags["hidden-size"]), int(flags["vocab-size"]), opts.tokens)
     elif opts.kernel == "adam":
         rows += bench_adam(flags, DTYPES[opts.moments])
+    elif opts.kernel == "int4-linear":
+        rows += bench_int4_linear(flags, opts.rows or [1, 8, 32])
     else:
         heads = int(flags["num-attention-heads"])
         rows += bench_qkv_rope(heads, int(flags.get("num-query-groups", heads)),
                                int(flags["hidden-size"]) // heads, opts.seq_length, opts.micro_batch_size,
                                DTYPES[opts.dtype])
-    table = render_adam(rows) if opts.kernel == "adam" else render(rows)
+    table = {"adam": render_adam, "int4-linear": render_products}.get(opts.kernel, render)(rows)
     print("\n".join(json.dumps(r) for r in rows) if opts.json else
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + table)
     return 0
