@@ -3,10 +3,11 @@ every tensor read and written once in wide loads.
 
 TE's multi-tensor Adam kernels load each element of each tensor on its own (two bytes at a time for bf16 parameters,
 moments and the master weights' 16-bit remainders), which holds a memory-bound update to a fraction of the GPU's
-bandwidth. The Triton kernel (adam_triton.py) reads blocks of every tensor, and runs one launch per kind of tensors
-(the dtypes below) over a table of their addresses, chunk by chunk.
+bandwidth. The Triton kernel (adam_triton.py) reads blocks of every tensor in 16-byte pieces, and runs one launch
+per kind of tensors (the dtypes below) over a table of their offsets, chunk by chunk.
 
-The update, in fp32 for every element of a parameter p with gradient g (TE's, term for term):
+The update, in fp32 for every element of a parameter p with gradient g (TE's, term for term, each operation rounded
+on its own: TE's kernel fuses its multiply-adds, so the two differ by a rounding where an update cancels):
 
     g  <- g + decay * p                      (adam_w_mode False: L2 regularization)
     m  <- beta1 * m + (1 - beta1) * g
