@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .data import megatron_tokenizer as _megatron_tokenizer
 from .errors import PROG, ConfigError, UserError  # noqa: F401  (UserError: callers of the parser take it from here)
-from .platform.library_gaps import escape_bare_percent_in_help
+from .platform.library_gaps import escape_bare_percent_in_help, read_config_docstrings_once
 from .presets import PRESETS, preset
 from .spec_choice import LITESPARK_SPEC, SpecChoice  # noqa: F401  (LITESPARK_SPEC: callers take it from here)
 
@@ -211,6 +211,7 @@ def full_parser() -> argparse.ArgumentParser:
     """Megatron-LM's parser with Litespark's flags: what every flag is (switch or value), for presets and files."""
     from megatron.training.arguments import add_megatron_arguments
 
+    read_config_docstrings_once()  # (platform.library_gaps)
     return add_litespark_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
 
 
@@ -1166,6 +1167,7 @@ def resolve(argv: Sequence[str], plat) -> argparse.Namespace:
     from megatron.training.arguments import parse_args
 
     tokens = expand(argv, cpu=plat.device_type == "cpu")
+    read_config_docstrings_once()  # megatron.training's parser is built at every parse (platform.library_gaps)
     saved = sys.argv
     sys.argv = [PROG, *tokens]
     try:

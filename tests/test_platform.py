@@ -51,6 +51,34 @@ def test_jit_shim_skips_only_a_warm_up():
     assert "set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)" in inspect.getsource(training.pretrain)
 
 
+def test_config_docstrings_are_read_once_per_class_and_are_megatrons(monkeypatch):
+    """`docstrings` is a cost, not a failure: megatron.training's ArgumentGroupFactory reads the help texts of a
+    config class's fields from the class's source for every parser megatron.training builds. Read once per class,
+    they are the texts megatron reads (its own function, with the same classes), each caller gets its own copy, and
+    another factory of the class reads no source. If megatron stops reading them there, this fails and the gap
+    needs a new look."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import argument_utils
+
+    factory_class = argument_utils.ArgumentGroupFactory
+    assert "self._get_field_docstrings(src_cfg_class)" in inspect.getsource(factory_class.__init__)
+    platform.read_config_docstrings_once()
+    platform.read_config_docstrings_once()  # idempotent: one wrapper
+    once = factory_class._get_field_docstrings
+    assert once._litespark and not getattr(once.__wrapped__, "_litespark", False)
+    reads = []
+    getsource = argument_utils.inspect.getsource
+    monkeypatch.setattr(argument_utils.inspect, "getsource", lambda obj: reads.append(obj) or getsource(obj))
+    first = factory_class(TransformerConfig)
+    before = len(reads)
+    second = factory_class(TransformerConfig)
+    assert len(reads) == before  # the second factory read no source
+    assert second.field_docstrings == first.field_docstrings and second.field_docstrings is not first.field_docstrings
+    texts = once.__wrapped__(first, TransformerConfig)  # megatron's own reading (its bases through the wrapper)
+    assert first.field_docstrings == texts and len(texts) > 100
+    assert texts["num_layers"].startswith("Number of transformer layers")
+
+
 COMPILED_AT_IMPORT = (
     "import sys; from litespark_megatron import platform\n"
     "if sys.argv[1] == 'shim': platform.apply_cpu_shims()\n"

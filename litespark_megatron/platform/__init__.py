@@ -43,8 +43,8 @@ from .float8_reshape import reshape_takes_a_shape_tuple  # noqa: F401
 from .fp8_state import load_fp8_scaling_state  # noqa: F401
 from .helper_processes import STOP_SIGNALS, die_with_parent, helper_processes_die_with_the_trainer  # noqa: F401
 from .library_gaps import (load_optimizer_shards_without_autograd, pass_rope_scaling_factor,  # noqa: F401
-                           provide_wgrad_accumulation_kernel, resume_distributed_optimizer_on_torch_adam,
-                           use_shipped_dataset_helpers)
+                           provide_wgrad_accumulation_kernel, read_config_docstrings_once,
+                           resume_distributed_optimizer_on_torch_adam, use_shipped_dataset_helpers)
 from .fused_adam import adam_in_use, use_litespark_adam  # noqa: F401
 from .optimizer_overrides import add_optimizer_overrides  # noqa: F401
 
@@ -72,6 +72,7 @@ def prepare_libraries() -> Platform:
     if plat.device_type == "cpu":
         apply_cpu_shims()  # first: the `compile` shim must be in place before megatron is imported
     use_shipped_dataset_helpers()
+    read_config_docstrings_once()
     resume_distributed_optimizer_on_torch_adam()
     load_optimizer_shards_without_autograd()
     pass_rope_scaling_factor()
