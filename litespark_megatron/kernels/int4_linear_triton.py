@@ -5,7 +5,8 @@ A program takes BLOCK_N output columns and one of SPLIT_K slices of the input co
 to keep the GPU busy otherwise. For each group of GROUP input columns it reads [BLOCK_N, GROUP / 2] packed bytes and
 the group's scales and zeros, dequantizes the low and the high nibbles (the even and the odd input columns) to the
 activations' dtype, and multiplies each by the matching columns of the activations on the tensor cores (the rows
-padded to 16), summing in fp32. The slices' partial sums (fp32, [SPLIT_K, rows, out]) are added by torch.
+padded to 16), summing in fp32. One slice writes the output itself; more write partial sums (fp32, [SPLIT_K, rows,
+out]) that one torch reduction adds and rounds.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def int4_matmul_kernel(x, packed, scale, zero, partial, M, N, K, groups_per_spli
         x_odd = tl.load(x + rows[:, None] * K + column[None, :] + 1, mask=rows_ok[:, None], other=0)
         acc += tl.dot(x_even, tl.trans(low))
         acc += tl.dot(x_odd, tl.trans(high))
-    tl.store(partial + split * M * N + rows[:, None] * N + n[None, :], acc, mask=rows_ok[:, None] & n_ok[None, :])
+    tl.store(partial + split * M * N + rows[:, None] * N + n[None, :], acc.to(partial.dtype.element_ty),
+             mask=rows_ok[:, None] & n_ok[None, :])
 
 
 def _splits(n_blocks: int, groups: int, device: torch.device) -> int:
@@ -66,8 +68,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     splits = triton.cdiv(groups, per_split)
     for start in range(0, M, BLOCK_M):  # decode's rows fit one tile; a few more take a few
         rows = x[start:start + BLOCK_M]
-        partial = torch.empty((splits, rows.shape[0], N), dtype=torch.float32, device=x.device)
+        # One slice writes the output itself; more write fp32 partial sums, added (and rounded) in one reduction.
+        partial = out[start:start + BLOCK_M] if splits == 1 else \
+            torch.empty((splits, rows.shape[0], N), dtype=torch.float32, device=x.device)
         int4_matmul_kernel[(n_blocks, splits)](rows, packed, scale, zero, partial, rows.shape[0], N, K, per_split,
                                                GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=WARPS)
-        out[start:start + BLOCK_M] = partial.sum(0).to(x.dtype)
+        if splits > 1:
+            torch.sum(partial, 0, dtype=x.dtype, out=out[start:start + BLOCK_M])
     return out
