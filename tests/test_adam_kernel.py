@@ -47,7 +47,8 @@ def _master(t, i):
 
 # (how, parameter, gradient, moments, adam_w_mode): every kind of tensors megatron-core's precision-aware optimizer and
 # its fp32 main parameters make, and TE's FusedAdam without master weights.
-KINDS = [("remainders", "bfloat16", "bfloat16", "bfloat16", True), ("remainders", "bfloat16", "float32", "float32", False),
+KINDS = [("remainders", "bfloat16", "bfloat16", "bfloat16", True),
+         ("remainders", "bfloat16", "float32", "float32", False),
          ("fp32", "bfloat16", "float32", "bfloat16", True), ("fp32", "float16", "bfloat16", "float32", True),
          ("none", "float32", "float32", "float32", True), ("none", "bfloat16", "bfloat16", "bfloat16", False)]
 """
@@ -98,17 +99,18 @@ import json
 from litespark_megatron.kernels import adam_triton
 
 out = {}
-for how, param, grad, moment, adam_w in KINDS:
+for how, param, grad, moment, adam_w, scale in [kind + (None,) for kind in KINDS] + [KINDS[0] + (0.37,)]:
     dtypes = [getattr(torch, d) for d in (param, grad, moment)]
     sizes = [5, 1, 700] + ([adam_triton.CHUNK + 37] if how == "remainders" and adam_w else [])  # two chunks of one
     got, want = _tensors(how, *dtypes, sizes), _tensors(how, *dtypes, sizes)
+    c = None if scale is None else torch.tensor([scale])
     for step in (1, 2):
         hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
-        adam_triton.adam_multi_tensor(got, hyper)
+        adam_triton.adam_multi_tensor(got, hyper, c)
         for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
-            A.adam_reference(p, g, m, v, r, hyper, how)
+            A.adam_reference(p, g, m, v, r, hyper, how, c)
     lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
-    out["-".join(map(str, (how, param, grad, moment, adam_w)))] = [
+    out["-".join(map(str, (how, param, grad, moment, adam_w) + ((scale,) if scale else ())))] = [
         name for name in lists if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                                           for a, b in zip(getattr(got, name), getattr(want, name)))]
 print(json.dumps(out))
@@ -122,8 +124,10 @@ def interpreted(tmp_path_factory):
 
 def test_triton_kernel_writes_the_reference_for_every_kind(interpreted):
     """Two steps: every tensor it writes (parameters, moments, master weights) byte for byte (the interpreter
-    computes each operation as the reference does, in fp32, no fused multiply-add)."""
-    assert interpreted == {"-".join(map(str, kind)): [] for kind in KINDS}  # the lists that differ: none
+    computes each operation as the reference does, in fp32, no fused multiply-add), the gradients scaled by a
+    clipping coefficient too."""
+    kinds = ["-".join(map(str, kind)) for kind in KINDS] + ["-".join(map(str, KINDS[0] + (0.37,)))]
+    assert interpreted == {kind: [] for kind in kinds}  # the lists that differ: none
 
 
 def test_the_cpu_runs_the_reference():
@@ -136,6 +140,22 @@ def test_the_cpu_runs_the_reference():
     assert A.adam_path("cpu") == "litespark (reference)"
 
 
+def test_a_clipping_coefficient_scales_the_gradient_in_fp32_on_the_way_in():
+    """The step given the coefficient is the step on the gradient multiplied by it in fp32 (not rounded to bf16 again,
+    as megatron-core's in-place scaling would)."""
+    got, want = (_tensors("remainders", torch.bfloat16, torch.bfloat16, torch.bfloat16, [300]) for _ in range(2))
+    c = torch.tensor([0.37])
+    hyper = A.AdamHyper(**HYPER, step=1)
+    A.adam_step(got, hyper, c)
+    A.adam_reference(want.params[0], want.grads[0].float() * 0.37, want.exp_avgs[0], want.exp_avg_sqs[0],
+                     want.masters[0], hyper, "remainders")
+    assert torch.equal(got.params[0], want.params[0]) and torch.equal(got.masters[0], want.masters[0])
+    rounded = _tensors("remainders", torch.bfloat16, torch.bfloat16, torch.bfloat16, [300])
+    A.adam_reference(rounded.params[0], (rounded.grads[0] * 0.37).bfloat16(), rounded.exp_avgs[0],
+                     rounded.exp_avg_sqs[0], rounded.masters[0], hyper, "remainders")
+    assert not torch.equal(rounded.masters[0], want.masters[0])  # the coefficient is applied before any rounding
+
+
 def _bad(**change):
     t = _tensors("remainders", torch.bfloat16, torch.bfloat16, torch.bfloat16, [6, 4])
     for name, value in change.items():
@@ -144,8 +164,10 @@ def _bad(**change):
 
 
 @pytest.mark.parametrize("tensors, message", [
-    (lambda: _bad(how=lambda t: "fp16"), "Adam: master weights held as 'fp16', not one of ('none', 'fp32', 'remainders')"),
-    (lambda: _bad(grads=lambda t: t.grads[:1]), "Adam: parameters, gradients, moments and master weights differ in number"),
+    (lambda: _bad(how=lambda t: "fp16"),
+     "Adam: master weights held as 'fp16', not one of ('none', 'fp32', 'remainders')"),
+    (lambda: _bad(grads=lambda t: t.grads[:1]),
+     "Adam: parameters, gradients, moments and master weights differ in number"),
     (lambda: _bad(exp_avgs=lambda t: [t.exp_avgs[0], t.exp_avgs[1].float()]),
      "Adam: one launch takes one exp_avg dtype, got ['torch.bfloat16', 'torch.float32']"),
     (lambda: _bad(exp_avg_sqs=lambda t: [t.exp_avg_sqs[0], torch.zeros(8, dtype=torch.bfloat16)[::2]]),
@@ -170,7 +192,8 @@ PAO = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--bf16
 @pytest.mark.parametrize("flags, plat, message", [
     ([], CPU, "--litespark-adam steps Transformer Engine's FusedAdam, megatron-core's Adam on a GPU with TE; here "
               "megatron-core runs torch's Adam: drop the flag"),
-    (["--optimizer", "sgd"], GPU_TE, "--litespark-adam is an Adam step, and the optimizer is --optimizer sgd; drop one"),
+    (["--optimizer", "sgd"], GPU_TE,
+     "--litespark-adam is an Adam step, and the optimizer is --optimizer sgd; drop one"),
     (["--optimizer-cuda-graph"], GPU_TE,
      "--litespark-adam with --optimizer-cuda-graph: TE's capturable step reads its learning rate and step count on "
      "the GPU; drop one"),
@@ -217,11 +240,12 @@ def test_compiled_kernel_writes_the_reference(how, param, grad, moment, adam_w):
     dtypes = [getattr(torch, d) for d in (param, grad, moment)]
     sizes = [3072, 1, 128256 * 3072 // 8 + 5]
     got, want = (_tensors(how, *dtypes, sizes, device="cuda") for _ in range(2))
+    c = torch.tensor([0.37], device="cuda") if how == "remainders" else None  # a clipping coefficient, for some
     for step in (1, 2, 3):
         hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
-        A.adam_step(got, hyper)
+        A.adam_step(got, hyper, c)
         for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
-            A.adam_reference(p, g, m, v, r, hyper, how)
+            A.adam_reference(p, g, m, v, r, hyper, how, c)
     lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
     for name in lists:
         for a, b in zip(getattr(got, name), getattr(want, name)):
@@ -240,7 +264,8 @@ def _te_fused_adam():
 @pytest.mark.gpu
 @pytest.mark.skipif(_te_fused_adam() is None, reason="Transformer Engine's FusedAdam runs on a GPU with TE")
 @pytest.mark.parametrize("moments, grads, master_weights", [
-    (torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float32, True), (torch.float32, torch.float32, False)])
+    (torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float32, True),
+    (torch.float32, torch.float32, False)])
 def test_the_optimizer_steps_as_transformer_engines(moments, grads, master_weights):
     """LitesparkFusedAdam against TE's FusedAdam on the same parameters and gradients, as megatron-core builds them
     (master weights as bf16 remainders, decoupled gradients; or fp32 parameters), two parameter groups, three steps.
@@ -302,16 +327,17 @@ BF16_RUN = ["--model", "tiny", "--mock-data", "--seq-length", "128", "--global-b
             "0", "--eval-interval", "100", "--seed", "7", "--save-interval", "100", "--bf16", "--spec", "litespark",
             "--transformer-impl", "transformer_engine", "--use-distributed-optimizer",
             "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
-            "--exp-avg-sq-dtype", "bf16"]
+            "--exp-avg-sq-dtype", "bf16", "--clip-grad", "0.05"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_te_fused_adam() is None, reason="Transformer Engine's FusedAdam runs on a GPU with TE")
 def test_a_run_with_the_flag_trains_as_tes_adam_says_so_and_resumes_bit_exactly(tmp_path):
-    """Six BF16 steps under the precision-aware optimizer (bf16 moments, master weights as remainders) with
-    --litespark-adam against TE's step: the same losses to the fused multiply-adds' rounding, the record names the
-    kernel (megatron-core built its optimizer from the global the flag replaced), and a run stopped at step 3 and
-    resumed (the optimizer's state in TE's form) equals the uninterrupted one bit for bit."""
+    """Six BF16 steps under the precision-aware optimizer (bf16 moments, master weights as remainders), the gradients
+    clipped, with --litespark-adam (the coefficient applied in the step) against TE's step (the gradients scaled in
+    place by megatron-core): the same losses to the fused multiply-adds' and the scaling's rounding, the record
+    names the kernel (megatron-core built its optimizer from the global the flag replaced), and a run stopped at
+    step 3 and resumed (the optimizer's state in TE's form) equals the uninterrupted one bit for bit."""
     def env():
         return child_env(MASTER_PORT=free_port())
     tes, straight, halves = tmp_path / "te", tmp_path / "straight", tmp_path / "halves"
@@ -327,3 +353,58 @@ def test_a_run_with_the_flag_trains_as_tes_adam_says_so_and_resumes_bit_exactly(
     health = [r for r in records(straight / "metrics.jsonl") if r["kind"] == "health"][0]
     assert health["fusions"]["optimizer"] == "litespark" and not health["degraded"], health
     assert "optimizer" not in [r for r in records(tes / "metrics.jsonl") if r["kind"] == "health"][0]["fusions"]
+
+
+# ----------------------------------------------------------------------------------- gradient clipping
+class _Owner:
+    """A stand-in for a LitesparkFusedAdam: the parameters it steps and its deferred coefficients."""
+
+    def __init__(self, params):
+        from litespark_megatron.platform.fused_adam import DeferredGradScale
+
+        self.ids, self.deferred = {id(p) for p in params}, DeferredGradScale()
+
+    def param_ids(self):
+        return self.ids
+
+
+def test_clipping_hands_the_coefficient_to_the_optimizer_that_steps_the_parameters(monkeypatch):
+    """The wrapped clip leaves the gradients of the parameters an optimizer of Litespark's steps, and gives it the
+    coefficient megatron-core computes (max_norm / (norm + 1e-6), at most 1); the other parameters, a second clip
+    of the same parameters before the step, and a norm that is a number go to megatron-core's function."""
+    from litespark_megatron.platform import fused_adam
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    owner = _Owner(params[:2])
+    monkeypatch.setattr(fused_adam, "_optimizers", [owner])
+    calls = []
+    clip = fused_adam.clip_deferring_to_the_step(lambda *a, **k: calls.append((a, k)))
+    clip(params, 1.0, torch.tensor([4.0]), use_decoupled_grad=True)
+    (args, kwargs), = calls  # megatron-core's function, for the parameter no optimizer of Litespark's steps
+    assert [id(p) for p in args[0]] == [id(params[2])] and args[1] == 1.0 and args[2].tolist() == [4.0]
+    assert kwargs == {"use_decoupled_grad": True}
+    assert all(p.grad is None for p in params)  # nothing scaled here: the stand-in clip touches nothing either
+    scales = owner.deferred.take()
+    assert sorted(scales) == sorted(map(id, params[:2]))
+    assert scales[id(params[0])].item() == pytest.approx(1.0 / (4.0 + 1e-6), rel=1e-7)
+    clip(params[:1], 1.0, torch.tensor([0.5]))
+    assert owner.deferred.scales[id(params[0])].item() == 1.0  # under the limit: 1
+    calls.clear()
+    clip(params[:1], 1.0, torch.tensor([8.0]))  # clipped twice before a step: megatron-core scales this one
+    clip(params[:1], 1.0, 8.0)  # a number: no coefficient on the GPU to hand over
+    assert len(calls) == 2 and owner.deferred.take()[id(params[0])].item() == 1.0
+
+
+def test_megatron_core_clips_through_the_function_the_flag_wraps():
+    """megatron-core's optimizers call `clip_grad_by_total_norm_fp32` by their module's global, with this signature
+    and this coefficient; when one of these changes, the wrapper (platform/fused_adam.py) must be read again."""
+    import inspect
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    assert list(inspect.signature(optimizer.clip_grad_by_total_norm_fp32).parameters) == [
+        "parameters", "max_norm", "total_norm", "use_decoupled_grad"]
+    for cls in (optimizer.MegatronOptimizer, optimizer.ChainedOptimizer):
+        assert "clip_grad_by_total_norm_fp32(" in inspect.getsource(cls.clip_grad_norm), cls
+    source = inspect.getsource(clip_grads.clip_grad_by_total_norm_fp32)
+    assert "clip_coeff = max_norm / (total_norm + 1.0e-6)" in source and "clip_coeff.clamp_max_(1.0)" in source

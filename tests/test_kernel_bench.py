@@ -134,7 +134,8 @@ def test_adam_counts_master_weights_that_differ_from_the_reference():
     group = dict(params=params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     state = {}
     for p, (_, grad) in zip(params, start):
-        m, v, r = torch.zeros(p.shape).bfloat16(), torch.zeros(p.shape).bfloat16(), torch.zeros(p.shape, dtype=torch.int16)
+        m, v = torch.zeros(p.shape).bfloat16(), torch.zeros(p.shape).bfloat16()
+        r = torch.zeros(p.shape, dtype=torch.int16)
         A.adam_reference(p.data, grad, m, v, r, A.AdamHyper(1e-4, 0.9, 0.95, 1e-8, 0.1, step=1), "remainders")
         state[p] = dict(exp_avg=m, exp_avg_sq=v, master_param=r)
     optimizer = SimpleNamespace(param_groups=[group], state=state)

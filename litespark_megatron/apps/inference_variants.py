@@ -1,6 +1,7 @@
 """The precisions the inference benchmark compares, and how each turns a loaded HF Llama into that precision: 16-bit
 dtypes, torchao's weight-only int4 (round-to-nearest, HQQ or AWQ-calibrated scales), Litespark's own int4 layer
-(round-to-nearest, its Triton kernel for decode), torchao float8 and bitsandbytes NF4. What the weights then occupy is measured from the tensors that hold them.
+(round-to-nearest, its Triton kernel for decode), torchao float8 and bitsandbytes NF4. What the weights then occupy
+is measured from the tensors that hold them.
 
 torchao's int4 lives in two tensors of one format (asymmetric int4, a bf16 scale and zero per group of 128 input
 columns, the "tinygemm" layout): on a CUDA GPU `Int4WeightOnlyConfig` with the tile_packed_to_4d packing (aten's

@@ -9,6 +9,8 @@ per kind of tensors (the dtypes below) over a table of their offsets, chunk by c
 The update, in fp32 for every element of a parameter p with gradient g (TE's, term for term, each operation rounded
 on its own: TE's kernel fuses its multiply-adds, so the two differ by a rounding where an update cancels):
 
+    g  <- g * c                              (c: megatron-core's gradient-clipping coefficient, when the step was
+                                              given it instead of megatron-core scaling the gradients in place)
     g  <- g + decay * p                      (adam_w_mode False: L2 regularization)
     m  <- beta1 * m + (1 - beta1) * g
     v  <- beta2 * v + (1 - beta2) * g * g
@@ -90,8 +92,10 @@ def split_master(master: torch.Tensor) -> tuple:
 
 # --------------------------------------------------------------------------------------------- the reference
 def adam_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                   master: Optional[torch.Tensor], hyper: AdamHyper, how: str) -> None:
-    """One Adam step of one parameter, in place: `how` is one of MASTERS (`master` None for "none")."""
+                   master: Optional[torch.Tensor], hyper: AdamHyper, how: str,
+                   grad_scale: Optional[torch.Tensor] = None) -> None:
+    """One Adam step of one parameter, in place: `how` is one of MASTERS (`master` None for "none"); `grad_scale`
+    (one fp32 value on the gradient's device) multiplies the gradient first."""
     if how not in MASTERS:
         raise ValueError(f"Adam: master weights held as {how!r}, not one of {MASTERS}")
     s = {k: torch.tensor(v, dtype=torch.float32, device=param.device) for k, v in hyper.scalars().items()}
@@ -102,6 +106,8 @@ def adam_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     else:
         p = param.to(torch.float32)
     g = grad.to(torch.float32)
+    if grad_scale is not None:
+        g = g * grad_scale.to(torch.float32).reshape(())
     m = exp_avg.to(torch.float32)
     v = exp_avg_sq.to(torch.float32)
     if not hyper.adam_w_mode:
@@ -149,7 +155,8 @@ class AdamTensors:
         for name, tensors in (("parameter", self.params), ("gradient", self.grads), ("exp_avg", self.exp_avgs),
                               ("exp_avg_sq", self.exp_avg_sqs)):
             if len({t.dtype for t in tensors}) > 1:
-                raise ValueError(f"Adam: one launch takes one {name} dtype, got {sorted({str(t.dtype) for t in tensors})}")
+                got = sorted({str(t.dtype) for t in tensors})
+                raise ValueError(f"Adam: one launch takes one {name} dtype, got {got}")
         for i, p in enumerate(self.params):
             tensors = [p, self.grads[i], self.exp_avgs[i], self.exp_avg_sqs[i]]
             tensors += [self.masters[i]] if self.how != "none" else []
@@ -158,7 +165,8 @@ class AdamTensors:
                                  "contiguous")
         if not self.params:
             return
-        wanted = {"none": (torch.float32, torch.bfloat16, torch.float16), "fp32": (torch.bfloat16, torch.float16), "remainders": (torch.bfloat16,)}
+        wanted = {"none": (torch.float32, torch.bfloat16, torch.float16), "fp32": (torch.bfloat16, torch.float16),
+                  "remainders": (torch.bfloat16,)}
         if self.params[0].dtype not in wanted[self.how]:
             raise ValueError(f"Adam: {self.params[0].dtype} parameters with master weights held as {self.how!r}")
         if self.grads[0].dtype not in GRAD_DTYPES or self.exp_avgs[0].dtype not in MOMENT_DTYPES or \
@@ -170,19 +178,20 @@ class AdamTensors:
             raise ValueError(f"Adam: master weights held as {self.how!r} must be {master_dtype}")
 
 
-def adam_step(tensors: AdamTensors, hyper: AdamHyper) -> None:
-    """One Adam step of every tensor, in place: the Triton kernel for CUDA tensors, the reference elsewhere."""
+def adam_step(tensors: AdamTensors, hyper: AdamHyper, grad_scale: Optional[torch.Tensor] = None) -> None:
+    """One Adam step of every tensor, in place: the Triton kernel for CUDA tensors, the reference elsewhere;
+    `grad_scale` as adam_reference's."""
     if not tensors.params:
         return
     if kernel_path(tensors.params[0].device.type) == "litespark":
         from .adam_triton import adam_multi_tensor
 
-        adam_multi_tensor(tensors, hyper)  # checks the tensors the first time it sees them
+        adam_multi_tensor(tensors, hyper, grad_scale)  # checks the tensors the first time it sees them
         return
     tensors.check()
     for p, g, m, v, master in zip(tensors.params, tensors.grads, tensors.exp_avgs, tensors.exp_avg_sqs,
                                   tensors.masters):
-        adam_reference(p, g, m, v, master, hyper, tensors.how)
+        adam_reference(p, g, m, v, master, hyper, tensors.how, grad_scale)
 
 
 def adam_path(device_type: str) -> str:

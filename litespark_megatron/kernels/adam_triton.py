@@ -50,8 +50,9 @@ def _load(ptr, offs, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def adam_step_kernel(g_base, p_base, m_base, v_base, r_base, offsets, chunk_tensor, chunk_start, lr, beta1, beta2,
-                     one_minus_beta1, one_minus_beta2, eps, decay, c1, c2, MASTER: tl.constexpr,
+def adam_step_kernel(g_base, p_base, m_base, v_base, r_base, offsets, chunk_tensor, chunk_start, grad_scale, lr, beta1,
+                     beta2, one_minus_beta1, one_minus_beta2, eps, decay, c1, c2, SCALED: tl.constexpr,
+                     MASTER: tl.constexpr,
                      ADAM_W: tl.constexpr, PARAM: tl.constexpr, GRAD: tl.constexpr, MOMENT: tl.constexpr,
                      MOMENT_SQ: tl.constexpr, ALIGN_G: tl.constexpr, ALIGN_P: tl.constexpr, ALIGN_M: tl.constexpr,
                      ALIGN_V: tl.constexpr, ALIGN_R: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
@@ -69,11 +70,15 @@ def adam_step_kernel(g_base, p_base, m_base, v_base, r_base, offsets, chunk_tens
     v_ptr = v_base + tl.multiple_of(tl.load(row + 3), ALIGN_V)
     r_ptr = r_base + tl.multiple_of(tl.load(row + 4), ALIGN_R)
     end = tl.minimum(start + CHUNK, n)
+    if SCALED:
+        c = tl.load(grad_scale)
     for i in range(0, CHUNK // BLOCK):
         first = tl.multiple_of(start + i * BLOCK, BLOCK)
         offs = first + tl.arange(0, BLOCK).to(tl.int64)
         mask = offs < end
         g = _load(g_ptr, offs, mask, GRAD)
+        if SCALED:
+            g = g * c
         m = _load(m_ptr, offs, mask, MOMENT)
         v = _load(v_ptr, offs, mask, MOMENT_SQ)
         if MASTER == 2:  # bf16 parameter + int16 remainders, read and written as their bits
@@ -158,17 +163,20 @@ def _tables(tensors) -> tuple:
     return found
 
 
-def adam_multi_tensor(tensors, hyper) -> None:
-    """One Adam step of `tensors` (adam.AdamTensors) in one launch. No fused multiply-adds: each operation rounds
-    as the reference's does, so the kernel writes the reference's bytes."""
+def adam_multi_tensor(tensors, hyper, grad_scale=None) -> None:
+    """One Adam step of `tensors` (adam.AdamTensors) in one launch, the gradients multiplied by `grad_scale` (one
+    fp32 value on the GPU) if given. No fused multiply-adds: each operation rounds as the reference's does, so the
+    kernel writes the reference's bytes."""
     offsets, chunk_tensor, chunk_start, aligns = _tables(tensors)
     bases = [_storage(x[0]) for x in (tensors.grads, tensors.params, tensors.exp_avgs, tensors.exp_avg_sqs,
                                       tensors.masters if tensors.how != "none" else tensors.params)]
     s = hyper.scalars()
+    scale = offsets if grad_scale is None else grad_scale  # (a pointer the kernel does not read when unscaled)
     adam_step_kernel[(chunk_tensor.numel(),)](
-        *bases, offsets, chunk_tensor, chunk_start, float(s["lr"]), float(s["beta1"]), float(s["beta2"]),
+        *bases, offsets, chunk_tensor, chunk_start, scale, float(s["lr"]), float(s["beta1"]), float(s["beta2"]),
         float(s["one_minus_beta1"]), float(s["one_minus_beta2"]), float(s["eps"]), float(s["decay"]),
-        float(s["c1"]), float(s["c2"]), MASTER=MASTER_CODES[tensors.how], ADAM_W=bool(hyper.adam_w_mode),
-        PARAM=_TL[tensors.params[0].dtype], GRAD=_TL[tensors.grads[0].dtype], MOMENT=_TL[tensors.exp_avgs[0].dtype],
-        MOMENT_SQ=_TL[tensors.exp_avg_sqs[0].dtype], ALIGN_G=aligns[0], ALIGN_P=aligns[1], ALIGN_M=aligns[2],
-        ALIGN_V=aligns[3], ALIGN_R=aligns[4], BLOCK=BLOCK, CHUNK=CHUNK, num_warps=WARPS, enable_fp_fusion=False)
+        float(s["c1"]), float(s["c2"]), SCALED=grad_scale is not None, MASTER=MASTER_CODES[tensors.how],
+        ADAM_W=bool(hyper.adam_w_mode), PARAM=_TL[tensors.params[0].dtype], GRAD=_TL[tensors.grads[0].dtype],
+        MOMENT=_TL[tensors.exp_avgs[0].dtype], MOMENT_SQ=_TL[tensors.exp_avg_sqs[0].dtype], ALIGN_G=aligns[0],
+        ALIGN_P=aligns[1], ALIGN_M=aligns[2], ALIGN_V=aligns[3], ALIGN_R=aligns[4], BLOCK=BLOCK, CHUNK=CHUNK,
+        num_warps=WARPS, enable_fp_fusion=False)

@@ -9,10 +9,19 @@ from `decoupled_grad` under the precision-aware optimizer) and raises, naming th
 arguments._check_litespark_adam refuses the flags that would make them, so a run never falls back to TE's kernel
 unseen. tests/test_adam_kernel.py holds a step to TE's on a GPU and fails when megatron-core stops reading the
 global.
+
+Gradient clipping: megatron-core scales every gradient in place by its clipping coefficient (a tensor on the GPU,
+1 when the norm is under the limit), a pass that reads and writes all the gradients just before the step reads
+them again. `use_litespark_adam()` also wraps the clipping function megatron-core's optimizers call
+(`megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32`): the gradients of parameters a LitesparkFusedAdam
+steps are left as they are and their coefficient is handed to that optimizer, whose next step multiplies them by it
+on the way in (in fp32: bf16 gradients are not rounded again after the scaling); any other parameter is clipped by
+megatron-core's own function.
 """
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -30,12 +39,22 @@ def litespark_fused_adam():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _built.append(type(self))
+            self.deferred = DeferredGradScale()
+            _optimizers.add(self)
+
+        def param_ids(self) -> set:
+            """The ids of the parameters it steps (kept while their number stays)."""
+            count = sum(len(group["params"]) for group in self.param_groups)
+            if getattr(self, "_ids", (None, -1))[1] != count:
+                self._ids = ({id(q) for group in self.param_groups for q in group["params"]}, count)
+            return self._ids[0]
 
         def step(self, closure=None, grad_scaler=None):
             if grad_scaler is not None or self.capturable:
                 raise RuntimeError("Litespark's Adam step takes no grad scaler and is not capturable "
                                    "(--optimizer-cuda-graph): drop --litespark-adam")
             loss = closure() if closure is not None else None
+            scales = self.deferred.take()
             for group in self.param_groups:
                 group["step"] = group.get("step", 0) + 1  # every group, empty or not: TE's rule
                 kinds = {}
@@ -43,8 +62,9 @@ def litespark_fused_adam():
                     tensors = self._tensors_of(p)
                     if tensors is None:
                         continue
-                    key = tuple(t.dtype for t in tensors[:4]) + (tensors[5],)
-                    kind = kinds.setdefault(key, AdamTensors(tensors[5], [], [], [], [], []))
+                    scale = scales.get(id(p))
+                    key = tuple(t.dtype for t in tensors[:4]) + (tensors[5], id(scale))
+                    kind = kinds.setdefault(key, (AdamTensors(tensors[5], [], [], [], [], []), scale))[0]
                     for into, t in zip((kind.params, kind.grads, kind.exp_avgs, kind.exp_avg_sqs, kind.masters),
                                        tensors[:5]):
                         into.append(t)
@@ -54,8 +74,8 @@ def litespark_fused_adam():
                 hyper = AdamHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                   weight_decay=group["weight_decay"], step=group["step"],
                                   adam_w_mode=bool(self.adam_w_mode), bias_correction=bool(group["bias_correction"]))
-                for kind in kinds.values():
-                    adam_step(kind, hyper)
+                for kind, scale in kinds.values():
+                    adam_step(kind, hyper, scale)
             return loss
 
         def _tensors_of(self, p):
@@ -84,18 +104,64 @@ def litespark_fused_adam():
     return LitesparkFusedAdam
 
 
+class DeferredGradScale:
+    """Clipping coefficients handed to an optimizer's next step, by parameter (id)."""
+
+    def __init__(self):
+        self.scales = {}
+
+    def defer(self, params, coefficient) -> bool:
+        """Take `coefficient` for `params`, unless one of them already has one (clipped twice before a step: left to
+        megatron-core, which scales in place)."""
+        if any(id(p) in self.scales for p in params):
+            return False
+        self.scales.update((id(p), coefficient) for p in params)
+        return True
+
+    def take(self) -> dict:
+        scales, self.scales = self.scales, {}
+        return scales
+
+
+_optimizers = weakref.WeakSet()  # the LitesparkFusedAdam optimizers of this process
+
+
+def clip_deferring_to_the_step(clip):
+    """megatron-core's `clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad)`, whose
+    coefficient (computed as it computes it, a tensor) goes to the LitesparkFusedAdam that steps each parameter,
+    the gradients left unscaled; `clip` itself for the others, and for a norm that is a number (no coefficient on the
+    GPU to hand over)."""
+    @functools.wraps(clip)
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if isinstance(total_norm, torch.Tensor):
+            coefficient = (max_norm / (total_norm + 1.0e-6)).clamp_max(1.0)
+            for optimizer in list(_optimizers):
+                ids = optimizer.param_ids()
+                mine = [p for p in params if id(p) in ids]
+                if mine and optimizer.deferred.defer(mine, coefficient):
+                    params = [p for p in params if id(p) not in ids]
+        if params:
+            return clip(params, max_norm, total_norm, use_decoupled_grad=use_decoupled_grad)
+    clip_grad_by_total_norm_fp32._litespark = True
+    return clip_grad_by_total_norm_fp32
+
+
 def use_litespark_adam() -> None:
-    """megatron-core's Adam becomes LitesparkFusedAdam (before the optimizer is built). Idempotent."""
+    """megatron-core's Adam becomes LitesparkFusedAdam (before the optimizer is built), and its clipping hands the
+    coefficient to it. Idempotent."""
     from megatron.core import optimizer
+    from megatron.core.optimizer import optimizer as optimizers
 
     cls = litespark_fused_adam()
-    if optimizer.Adam is cls:
-        return
-    if optimizer.Adam is not cls.__mro__[1]:
-        raise RuntimeError(f"--litespark-adam replaces Transformer Engine's FusedAdam as megatron-core's Adam, and "
-                           f"megatron-core's Adam is {optimizer.Adam.__module__}.{optimizer.Adam.__name__}: drop the "
-                           "flag")
-    optimizer.Adam = cls
+    if optimizer.Adam is not cls:
+        if optimizer.Adam is not cls.__mro__[1]:
+            raise RuntimeError(f"--litespark-adam replaces Transformer Engine's FusedAdam as megatron-core's Adam, and "
+                               f"megatron-core's Adam is {optimizer.Adam.__module__}.{optimizer.Adam.__name__}: drop "
+                               "the flag")
+        optimizer.Adam = cls
+    if not getattr(optimizers.clip_grad_by_total_norm_fp32, "_litespark", False):
+        optimizers.clip_grad_by_total_norm_fp32 = clip_deferring_to_the_step(optimizers.clip_grad_by_total_norm_fp32)
 
 
 _built: list = []  # the LitesparkFusedAdam classes of the optimizers built in this process
