@@ -13,7 +13,8 @@ test_checkpoint_dir.py): when megatron-core is upgraded, these are the files to 
     callbacks.py         the one module that wraps megatron.training's loop (training_log, evaluate, saves, loads)
                          and fires events to its listeners (telemetry, the watchdog, the checkpoint directory)
     optimizer_overrides.py  per-parameter optimizer overrides added to megatron.training's (LoRA-plus)
-    fused_adam.py        megatron-core's Adam stepped by Litespark's kernel (--litespark-adam)
+    fused_adam.py        megatron-core's Adam stepped by Litespark's kernel, the clipping coefficient handed to it
+                         (--litespark-adam)
     checkpoint_contents.py  checkpoints of the trainable parameters alone (--save-adapters-only)
     fp8_state.py         Transformer Engine's FP8 delayed-scaling state loaded back on resume (its pickle checked)
     float8_reshape.py    Transformer Engine's Float8Tensor.reshape given its shape as one tuple
