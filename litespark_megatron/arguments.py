@@ -137,7 +137,8 @@ def add_litespark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="megatron-core's Adam (Transformer Engine's FusedAdam, its states and checkpoints unchanged) "
                         "steps with Litespark's kernel (kernels/adam.py): the same update, every tensor read and "
                         "written once in wide loads, one launch per kind of tensors, where TE's kernel loads two bytes "
-                        "at a time. Off unless given (docs/benchmarks/)")
+                        "at a time; megatron-core's gradient-clipping coefficient is applied in the step instead of "
+                        "a pass that scales every gradient in place. Off unless given (docs/benchmarks/)")
     g.add_argument("--attention-variant", choices=("dense", "nsa"), default="dense",
                    help="the Litespark layer's core attention: 'dense' causal attention, or 'nsa', native sparse "
                         "attention (compressed, selected and sliding-window branches mixed by learned gates; "

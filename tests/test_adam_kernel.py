@@ -205,6 +205,12 @@ PAO = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--bf16
      "FusedAdam); use bf16 or fp32"),
     (PAO + ["--main-params-dtype", "fp16"], GPU_TE,
      "--litespark-adam takes fp32 master weights, not --main-params-dtype fp16 (scaled by TE's FusedAdam); drop one"),
+    (PAO + ["--optimizer-cpu-offload"], GPU_TE,
+     "--litespark-adam with --optimizer-cpu-offload: the step runs on the host's copy; drop one"),
+    (["--bf16", "--use-megatron-fsdp"], GPU_TE,
+     "--litespark-adam with --use-megatron-fsdp: its sharded parameters are DTensors; drop one"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-param-gather"], GPU_TE,
+     "--litespark-adam with --fp8-param-gather: FP8 parameters take TE's FP8 Adam kernel; drop one"),
 ])
 def test_the_flag_is_refused_where_the_kernel_would_not_step(flags, plat, message):
     with pytest.raises(ConfigError) as e:
