@@ -8,7 +8,7 @@ test_checkpoint_dir.py): when megatron-core is upgraded, these are the files to 
     detection.py         which machine: `detect()` -> Platform(device_type, dist_backend, te, fp8_capable, ...)
     (this module)        the CPU shims, and `prepare_libraries()`, everything a run patches before megatron.training
                          starts
-    library_gaps.py      the gaps every machine hits: helpers, distopt, wgrad, rope, help
+    library_gaps.py      the gaps every machine hits: helpers, distopt, wgrad, rope, help, docstrings
     helper_processes.py  the `children` gap: the checkpoint writer's helpers end with the trainer
     callbacks.py         the one module that wraps megatron.training's loop (training_log, evaluate, saves, loads)
                          and fires events to its listeners (telemetry, the watchdog, the checkpoint directory)

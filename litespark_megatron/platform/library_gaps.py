@@ -17,7 +17,7 @@ serves and the failure it fixes; tests/test_platform.py reproduces each failure 
 - `help`: a help text of megatron-core's parser has a bare '%', and --help raised (`escape_bare_percent_in_help`).
 - `docstrings`: megatron.training builds its parser's config groups from each config dataclass's source, read and
   parsed again every time a parser is built: ~0.3 s of CPU a parse (`read_config_docstrings_once`).
-(The fifth gap, `children`, has its own module: helper_processes.py.)
+(One more, `children`, has its own module: helper_processes.py.)
 """
 from __future__ import annotations
 
