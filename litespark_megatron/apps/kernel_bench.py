@@ -351,16 +351,10 @@ def bench_adam(flags: dict, moments: torch.dtype) -> List[dict]:
 
 
 def render_adam(rows: Sequence[dict]) -> str:
-    lines = ["| kernel | candidate | parameters | dtype | step: kernels ms / GB/s / wall ms | master weights differing "
-             "from the reference |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        head = f"| {r['kernel']} | {r['candidate']} | {r.get('shape', '')} | {r.get('dtype', '')} |"
-        if "unavailable" in r:
-            lines.append(f"{head} not run: {r['unavailable']} | |")
-            continue
-        lines.append(f"{head} {r['step_kernel_ms']:.2f} / {r['gb_s']:,.0f} / {r['step_ms']:.2f} | "
-                     f"{r['master_bits_differ']:.3%} |")
-    return "\n".join(lines)
+    return _table("| kernel | candidate | parameters | dtype | step: kernels ms / GB/s / wall ms | master weights "
+                  "differing from the reference |", rows,
+                  lambda r: f"{r['step_kernel_ms']:.2f} / {r['gb_s']:,.0f} / {r['step_ms']:.2f} | "
+                            f"{r['master_bits_differ']:.3%}")
 
 
 # ---------------------------------------------------------------------------------------------- int4 linear
@@ -404,15 +398,9 @@ def bench_int4_linear(flags: dict, rows_list: Sequence[int]) -> List[dict]:
 
 
 def render_products(rows: Sequence[dict]) -> str:
-    lines = ["| kernel | candidate | product | dtype | kernels ms / weight GB/s / wall ms | error (vs fp64) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        head = f"| {r['kernel']} | {r['candidate']} | {r.get('shape', '')} | {r.get('dtype', '')} |"
-        if "unavailable" in r:
-            lines.append(f"{head} not run: {r['unavailable']} | |")
-            continue
-        lines.append(f"{head} {r['step_kernel_ms']:.4f} / {r['gb_s']:,.0f} / {r['step_ms']:.4f} | {r['error']:.1e} |")
-    return "\n".join(lines)
+    return _table("| kernel | candidate | product | dtype | kernels ms / weight GB/s / wall ms | error (vs fp64) |",
+                  rows, lambda r: f"{r['step_kernel_ms']:.4f} / {r['gb_s']:,.0f} / {r['step_ms']:.4f} | "
+                                  f"{r['error']:.1e}")
 
 
 def _import_te():
@@ -469,19 +457,26 @@ def _measure(row: dict, build, settings: tuple, inputs: tuple, upstream: tuple, 
                 error_gradients=max(_error(g, w) for g, w in zip(grads, want_grads)))
 
 
-def render(rows: Sequence[dict]) -> str:
-    lines = ["| kernel | candidate | shape | dtype | forward: kernels ms / GB/s / wall ms | "
-             "forward+backward: kernels ms / GB/s / wall ms | error outputs / gradients (vs fp64) |",
-             "|---|---|---|---|---|---|---|"]
+def _table(header: str, rows: Sequence[dict], cells: Callable[[dict], str]) -> str:
+    """A markdown table: the kernel, candidate, shape and dtype of each row, then `cells(row)`, or why it did not
+    run (the header's other columns left empty)."""
+    columns = header.count("|") - 1
+    lines = [header, "|" + "---|" * columns]
     for r in rows:
-        head = f"| {r['kernel']} | {r['candidate']} | {r['shape']} | {r['dtype']} |"
+        head = f"| {r['kernel']} | {r['candidate']} | {r.get('shape', '')} | {r.get('dtype', '')} |"
         if "unavailable" in r:
-            lines.append(f"{head} not run: {r['unavailable']} | | |")
-            continue
-        lines.append(f"{head} {r['forward_kernel_ms']:.3f} / {r['forward_gb_s']:,.0f} / {r['forward_ms']:.3f} | "
-                     f"{r['forward_backward_kernel_ms']:.3f} / {r['forward_backward_gb_s']:,.0f} / "
-                     f"{r['forward_backward_ms']:.3f} | {r['error_outputs']:.1e} / {r['error_gradients']:.1e} |")
+            lines.append(f"{head} not run: {r['unavailable']} |" + " |" * (columns - 5))
+        else:
+            lines.append(f"{head} {cells(r)} |")
     return "\n".join(lines)
+
+
+def render(rows: Sequence[dict]) -> str:
+    return _table("| kernel | candidate | shape | dtype | forward: kernels ms / GB/s / wall ms | "
+                  "forward+backward: kernels ms / GB/s / wall ms | error outputs / gradients (vs fp64) |", rows,
+                  lambda r: f"{r['forward_kernel_ms']:.3f} / {r['forward_gb_s']:,.0f} / {r['forward_ms']:.3f} | "
+                            f"{r['forward_backward_kernel_ms']:.3f} / {r['forward_backward_gb_s']:,.0f} / "
+                            f"{r['forward_backward_ms']:.3f} | {r['error_outputs']:.1e} / {r['error_gradients']:.1e}")
 
 
 def build_parser() -> cli.OneLineParser:
