@@ -39,6 +39,19 @@ def _tensors(how, param_dtype, grad_dtype, moment_dtype, sizes, seed=1, device="
     return A.AdamTensors(how, params, grads, ms, vs, masters)
 
 
+def _differing(kernel, how, dtypes, sizes, adam_w, steps, scale=None, device="cpu"):
+    # Steps `kernel(tensors, hyper, scale)` and the reference on the same tensors; the lists whose bytes differ.
+    got, want = (_tensors(how, *dtypes, sizes, device=device) for _ in range(2))
+    for step in range(1, steps + 1):
+        hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
+        kernel(got, hyper, scale)
+        for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
+            A.adam_reference(p, g, m, v, r, hyper, how, scale)
+    lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
+    return [name for name in lists if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                              for a, b in zip(getattr(got, name), getattr(want, name)))]
+
+
 def _master(t, i):
     if t.how == "remainders":
         return A.master_from_remainders(t.params[i], t.masters[i])
@@ -102,17 +115,9 @@ out = {}
 for how, param, grad, moment, adam_w, scale in [kind + (None,) for kind in KINDS] + [KINDS[0] + (0.37,)]:
     dtypes = [getattr(torch, d) for d in (param, grad, moment)]
     sizes = [5, 1, 700] + ([adam_triton.CHUNK + 37] if how == "remainders" and adam_w else [])  # two chunks of one
-    got, want = _tensors(how, *dtypes, sizes), _tensors(how, *dtypes, sizes)
     c = None if scale is None else torch.tensor([scale])
-    for step in (1, 2):
-        hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
-        adam_triton.adam_multi_tensor(got, hyper, c)
-        for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
-            A.adam_reference(p, g, m, v, r, hyper, how, c)
-    lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
-    out["-".join(map(str, (how, param, grad, moment, adam_w) + ((scale,) if scale else ())))] = [
-        name for name in lists if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                          for a, b in zip(getattr(got, name), getattr(want, name)))]
+    out["-".join(map(str, (how, param, grad, moment, adam_w) + ((scale,) if scale else ())))] = _differing(
+        adam_triton.adam_multi_tensor, how, dtypes, sizes, adam_w, 2, c)
 print(json.dumps(out))
 """
 
@@ -245,26 +250,9 @@ def test_compiled_kernel_writes_the_reference(how, param, grad, moment, adam_w):
     tensor byte for byte (the kernel is compiled without fused multiply-adds)."""
     dtypes = [getattr(torch, d) for d in (param, grad, moment)]
     sizes = [3072, 1, 128256 * 3072 // 8 + 5]
-    got, want = (_tensors(how, *dtypes, sizes, device="cuda") for _ in range(2))
     c = torch.tensor([0.37], device="cuda") if how == "remainders" else None  # a clipping coefficient, for some
-    for step in (1, 2, 3):
-        hyper = A.AdamHyper(**HYPER, step=step, adam_w_mode=adam_w)
-        A.adam_step(got, hyper, c)
-        for p, g, m, v, r in zip(want.params, want.grads, want.exp_avgs, want.exp_avg_sqs, want.masters):
-            A.adam_reference(p, g, m, v, r, hyper, how, c)
-    lists = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if how != "none" else ())
-    for name in lists:
-        for a, b in zip(getattr(got, name), getattr(want, name)):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert _differing(A.adam_step, how, dtypes, sizes, adam_w, 3, c, device="cuda") == []
     assert A.adam_path("cuda") == "litespark"
-
-
-def _te_fused_adam():
-    try:
-        from transformer_engine.pytorch.optimizers import FusedAdam
-    except ImportError:
-        return None
-    return FusedAdam
 
 
 @pytest.mark.gpu
