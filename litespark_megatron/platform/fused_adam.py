@@ -29,7 +29,9 @@ import torch
 @functools.lru_cache(maxsize=None)
 def litespark_fused_adam():
     """The FusedAdam subclass (built once: TE imports only where it is installed)."""
+    from torch.distributed.tensor import DTensor
     from transformer_engine.pytorch.optimizers import FusedAdam
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
     from ..kernels.adam import AdamHyper, AdamTensors, adam_step
 
@@ -81,9 +83,6 @@ def litespark_fused_adam():
         def _tensors_of(self, p):
             """(param, grad, exp_avg, exp_avg_sq, master or None, how) of one parameter, its state made as TE
             makes it; None without a gradient."""
-            from torch.distributed.tensor import DTensor
-            from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
             state = self.state[p]
             remainders = self.store_param_remainders and p.dtype == torch.bfloat16
             if len(state) == 0:
